@@ -1,0 +1,534 @@
+//! Reading GGUF files. Every length read from the file is checked against the bytes
+//! that remain before anything is allocated, so a corrupt file gives an error, never an
+//! allocation larger than the file.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use super::error::GgufError;
+use super::value::{Value, ValueType};
+use super::{DEFAULT_ALIGNMENT, MAGIC};
+use crate::types::GgmlType;
+
+/// Most dimensions a tensor may have (ggml's `GGML_MAX_DIMS`).
+pub const MAX_DIMS: usize = 4;
+/// Deepest nesting of arrays inside arrays that the reader accepts.
+pub const MAX_NESTING: usize = 4;
+
+/// One entry of the tensor directory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// Dimensions in ggml order: `dims[0]` is the row length (contiguous).
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+    /// Offset of the data, relative to the start of the data section.
+    pub offset: u64,
+    /// Size of the data in bytes.
+    pub n_bytes: u64,
+}
+
+impl TensorInfo {
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+    /// Row length (`ne[0]`).
+    pub fn ne0(&self) -> usize {
+        self.dims.first().copied().unwrap_or(1) as usize
+    }
+    /// Number of rows (product of all dimensions but the first).
+    pub fn n_rows(&self) -> usize {
+        self.dims.iter().skip(1).product::<u64>() as usize
+    }
+}
+
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// An open GGUF file. Tensor data is borrowed from the memory map, never copied.
+pub struct GgufFile {
+    storage: Storage,
+    version: u32,
+    metadata: Vec<(String, Value)>,
+    key_index: HashMap<String, usize>,
+    tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+    alignment: u64,
+    data_offset: u64,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("version", &self.version)
+            .field("n_metadata", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .field("data_offset", &self.data_offset)
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Opens and memory-maps `path`, then parses and validates the header.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        let path = path.as_ref();
+        let io = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if meta.is_dir() {
+            return Err(GgufError::IsDirectory(path.to_path_buf()));
+        }
+        let file = File::open(path).map_err(io)?;
+        if meta.len() == 0 {
+            return Self::parse(Storage::Owned(Vec::new()));
+        }
+        // SAFETY: the map is read-only; as with any mmap, a file truncated by another
+        // process while mapped is outside what we can defend against.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Self::parse(Storage::Mapped(map))
+    }
+
+    /// Parses a GGUF image held in memory (tests, fuzzing, embedded data).
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self, GgufError> {
+        Self::parse(Storage::Owned(bytes))
+    }
+
+    fn parse(storage: Storage) -> Result<Self, GgufError> {
+        let bytes = storage.bytes();
+        let mut c = Cursor { bytes, pos: 0 };
+        let magic = c.take(4, "magic")?;
+        if magic != MAGIC {
+            return Err(GgufError::BadMagic {
+                found: magic.to_vec(),
+            });
+        }
+        let version = c.u32("version")?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion { version });
+        }
+        let n_tensors = c.u64("tensor count")?;
+        let n_kv = c.u64("metadata count")?;
+        // Each key/value takes at least 13 bytes, each tensor info at least 24.
+        c.check_count(n_kv, 13, "metadata count")?;
+
+        let mut metadata = Vec::new();
+        let mut key_index = HashMap::new();
+        for _ in 0..n_kv {
+            let key_offset = c.pos as u64;
+            let key = c.string("metadata key")?;
+            let tag_offset = c.pos as u64;
+            let tag = c.u32("value type")?;
+            let ty = ValueType::from_id(tag).ok_or_else(|| GgufError::UnknownValueType {
+                key: key.clone(),
+                offset: tag_offset,
+                type_id: tag,
+            })?;
+            let value = c.value(ty, &key, 0)?;
+            if key_index.insert(key.clone(), metadata.len()).is_some() {
+                return Err(GgufError::DuplicateKey {
+                    key,
+                    offset: key_offset,
+                });
+            }
+            metadata.push((key, value));
+        }
+
+        let alignment = match key_index.get("general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some(&i) => {
+                let v = metadata[i].1.as_u64().unwrap_or(0);
+                if v == 0 || !v.is_power_of_two() {
+                    return Err(GgufError::BadAlignment { value: v });
+                }
+                v
+            }
+        };
+
+        c.check_count(n_tensors, 24, "tensor count")?;
+        let mut tensors = Vec::new();
+        let mut tensor_index = HashMap::new();
+        for _ in 0..n_tensors {
+            let info_offset = c.pos as u64;
+            let name = c.string("tensor name")?;
+            let n_dims = c.u32("tensor n_dims")?;
+            if n_dims as usize > MAX_DIMS {
+                return Err(GgufError::TooManyDims {
+                    name,
+                    offset: info_offset,
+                    n_dims,
+                    max: MAX_DIMS,
+                });
+            }
+            let mut dims = Vec::with_capacity(n_dims as usize);
+            for d in 0..n_dims as usize {
+                let dim_offset = c.pos as u64;
+                let v = c.u64("tensor dimension")?;
+                if v > i64::MAX as u64 {
+                    return Err(GgufError::BadDimension {
+                        name,
+                        offset: dim_offset,
+                        dim: d,
+                        value: v,
+                    });
+                }
+                dims.push(v);
+            }
+            let type_offset = c.pos as u64;
+            let type_id = c.u32("tensor type")?;
+            let ty = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
+                name: name.clone(),
+                offset: type_offset,
+                type_id,
+            })?;
+            let offset = c.u64("tensor offset")?;
+            let n_elements = dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .filter(|&n| n <= i64::MAX as u64)
+                .ok_or_else(|| GgufError::ElementCountOverflow {
+                    name: name.clone(),
+                    shape: dims.clone(),
+                })?;
+            let ne0 = dims.first().copied().unwrap_or(1);
+            if ne0 % ty.block_size() as u64 != 0 {
+                return Err(GgufError::NotBlockAligned {
+                    name,
+                    ty,
+                    ne0,
+                    block: ty.block_size(),
+                });
+            }
+            let n_bytes =
+                ty.bytes_for(n_elements)
+                    .ok_or_else(|| GgufError::ElementCountOverflow {
+                        name: name.clone(),
+                        shape: dims.clone(),
+                    })?;
+            if offset % alignment != 0 {
+                return Err(GgufError::TensorMisaligned {
+                    name,
+                    offset,
+                    alignment,
+                });
+            }
+            if tensor_index.insert(name.clone(), tensors.len()).is_some() {
+                return Err(GgufError::DuplicateTensor {
+                    name,
+                    offset: info_offset,
+                });
+            }
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+                n_bytes,
+            });
+        }
+
+        let data_offset = align_up(c.pos as u64, alignment);
+        let file_len = bytes.len() as u64;
+        for t in &tensors {
+            let end = data_offset
+                .checked_add(t.offset)
+                .and_then(|s| s.checked_add(t.n_bytes));
+            if end.is_none_or(|e| e > file_len) {
+                return Err(GgufError::TensorOutOfBounds {
+                    name: t.name.clone(),
+                    offset: data_offset.saturating_add(t.offset),
+                    size: t.n_bytes,
+                    file_len,
+                });
+            }
+        }
+
+        Ok(GgufFile {
+            storage,
+            version,
+            metadata,
+            key_index,
+            tensors,
+            tensor_index,
+            alignment,
+            data_offset,
+        })
+    }
+
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+    pub fn alignment(&self) -> u64 {
+        self.alignment
+    }
+    /// Absolute file offset where the data section starts.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+    /// Size of the whole file in bytes.
+    pub fn file_size(&self) -> u64 {
+        self.storage.bytes().len() as u64
+    }
+    /// Metadata in file order.
+    pub fn metadata(&self) -> &[(String, Value)] {
+        &self.metadata
+    }
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.key_index.get(key).map(|&i| &self.metadata[i].1)
+    }
+
+    fn require(&self, key: &str) -> Result<&Value, GgufError> {
+        self.get(key).ok_or_else(|| GgufError::MissingKey {
+            key: key.to_string(),
+        })
+    }
+
+    fn wrong(key: &str, expected: &'static str, v: &Value) -> GgufError {
+        GgufError::WrongType {
+            key: key.to_string(),
+            expected,
+            found: v.type_name(),
+        }
+    }
+
+    /// An integer key that fits in u32.
+    pub fn get_u32(&self, key: &str) -> Result<u32, GgufError> {
+        let v = self.require(key)?;
+        v.as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .ok_or_else(|| Self::wrong(key, "UINT32", v))
+    }
+
+    pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
+        let v = self.require(key)?;
+        v.as_u64().ok_or_else(|| Self::wrong(key, "UINT64", v))
+    }
+
+    pub fn get_i64(&self, key: &str) -> Result<i64, GgufError> {
+        let v = self.require(key)?;
+        v.as_i64().ok_or_else(|| Self::wrong(key, "INT64", v))
+    }
+
+    pub fn get_f32(&self, key: &str) -> Result<f32, GgufError> {
+        let v = self.require(key)?;
+        v.as_f64()
+            .map(|x| x as f32)
+            .ok_or_else(|| Self::wrong(key, "FLOAT32", v))
+    }
+
+    pub fn get_bool(&self, key: &str) -> Result<bool, GgufError> {
+        let v = self.require(key)?;
+        v.as_bool().ok_or_else(|| Self::wrong(key, "BOOL", v))
+    }
+
+    pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
+        let v = self.require(key)?;
+        v.as_str().ok_or_else(|| Self::wrong(key, "STRING", v))
+    }
+
+    fn get_array(&self, key: &str, expected: &'static str) -> Result<&[Value], GgufError> {
+        let v = self.require(key)?;
+        v.as_array().ok_or_else(|| Self::wrong(key, expected, v))
+    }
+
+    pub fn get_string_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+        let items = self.get_array(key, "ARRAY[STRING]")?;
+        items
+            .iter()
+            .map(|x| x.as_str())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Self::wrong(key, "ARRAY[STRING]", self.get(key).unwrap_or(&Value::U8(0))))
+    }
+
+    pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
+        let items = self.get_array(key, "ARRAY[FLOAT32]")?;
+        items
+            .iter()
+            .map(|x| x.as_f64().map(|f| f as f32))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Self::wrong(key, "ARRAY[FLOAT32]", self.get(key).unwrap_or(&Value::U8(0))))
+    }
+
+    pub fn get_i64_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
+        let items = self.get_array(key, "ARRAY[INT]")?;
+        items
+            .iter()
+            .map(|x| x.as_i64())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Self::wrong(key, "ARRAY[INT]", self.get(key).unwrap_or(&Value::U8(0))))
+    }
+
+    /// `general.architecture`.
+    pub fn architecture(&self) -> Result<&str, GgufError> {
+        self.get_str("general.architecture")
+    }
+
+    pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The raw bytes of a tensor, borrowed from the map.
+    pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
+        // Bounds were validated when the file was parsed.
+        let start = (self.data_offset + info.offset) as usize;
+        &self.storage.bytes()[start..start + info.n_bytes as usize]
+    }
+
+    /// Looks a tensor up by name and returns its info and bytes.
+    pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8]), GgufError> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| GgufError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        Ok((info, self.tensor_data(info)))
+    }
+
+    /// The whole file image.
+    pub fn bytes(&self) -> &[u8] {
+        self.storage.bytes()
+    }
+}
+
+pub(crate) fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn remaining(&self) -> u64 {
+        (self.bytes.len() - self.pos) as u64
+    }
+
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], GgufError> {
+        if (n as u64) > self.remaining() {
+            return Err(GgufError::Truncated {
+                what: what.to_string(),
+                offset: self.pos as u64,
+                needed: n as u64,
+                available: self.remaining(),
+            });
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], GgufError> {
+        let s = self.take(N, what)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, GgufError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    /// Fails unless `count` items of at least `min_size` bytes could fit in what is left.
+    fn check_count(&self, count: u64, min_size: u64, what: &str) -> Result<(), GgufError> {
+        if count.saturating_mul(min_size) > self.remaining() {
+            return Err(GgufError::LengthBeyondFile {
+                what: what.to_string(),
+                offset: self.pos as u64 - 8,
+                len: count,
+                available: self.remaining(),
+            });
+        }
+        Ok(())
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, GgufError> {
+        let offset = self.pos as u64;
+        let len = self.u64(what)?;
+        if len > self.remaining() {
+            return Err(GgufError::LengthBeyondFile {
+                what: what.to_string(),
+                offset,
+                len,
+                available: self.remaining(),
+            });
+        }
+        let raw = self.take(len as usize, what)?;
+        String::from_utf8(raw.to_vec()).map_err(|_| GgufError::InvalidUtf8 {
+            what: what.to_string(),
+            offset: offset + 8,
+        })
+    }
+
+    fn value(&mut self, ty: ValueType, key: &str, depth: usize) -> Result<Value, GgufError> {
+        let what = || format!("value of '{key}'");
+        Ok(match ty {
+            ValueType::U8 => Value::U8(self.array::<1>(&what())?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(&what())?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(&what())?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(&what())?)),
+            ValueType::U32 => Value::U32(u32::from_le_bytes(self.array(&what())?)),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(&what())?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(&what())?)),
+            ValueType::U64 => Value::U64(u64::from_le_bytes(self.array(&what())?)),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(&what())?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(&what())?)),
+            ValueType::Bool => Value::Bool(self.array::<1>(&what())?[0] != 0),
+            ValueType::String => Value::String(self.string(&what())?),
+            ValueType::Array => {
+                let offset = self.pos as u64;
+                if depth >= MAX_NESTING {
+                    return Err(GgufError::NestingTooDeep {
+                        key: key.to_string(),
+                        offset,
+                        max: MAX_NESTING,
+                    });
+                }
+                let tag = self.u32(&what())?;
+                let elem = ValueType::from_id(tag).ok_or_else(|| GgufError::UnknownValueType {
+                    key: key.to_string(),
+                    offset,
+                    type_id: tag,
+                })?;
+                let len_offset = self.pos as u64;
+                let len = self.u64(&what())?;
+                if len.saturating_mul(elem.min_size()) > self.remaining() {
+                    return Err(GgufError::LengthBeyondFile {
+                        what: format!("array '{key}'"),
+                        offset: len_offset,
+                        len,
+                        available: self.remaining(),
+                    });
+                }
+                let mut items = Vec::with_capacity(len as usize);
+                for _ in 0..len {
+                    items.push(self.value(elem, key, depth + 1)?);
+                }
+                Value::Array(elem, items)
+            }
+        })
+    }
+}
