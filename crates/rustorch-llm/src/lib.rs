@@ -1,1 +1,12 @@
-//! rustorch-llm
+//! rustorch-llm: tokenizers, architectures, KV cache, batches, sampling, chat templates
+//! and the generation engine. Nothing here prints: results are returned and progress is
+//! reported through `tracing` events.
+
+pub mod batch;
+pub mod kv_cache;
+pub mod model;
+// pub mod tokenizer; (enabled when the tokenizer lands)
+
+pub use batch::{Batch, SeqId};
+pub use kv_cache::{KvCache, KvCacheError};
+pub use model::{Arch, ForwardOutput, HParams, Model, ModelError, Runtime};

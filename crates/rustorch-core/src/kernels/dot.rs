@@ -1,0 +1,311 @@
+//! Scalar reference dot products between one row of quantized weights and one row of
+//! activations quantized to the weight type's "vec-dot type", as ggml pairs them:
+//! Q4_0/Q5_0/Q8_0/IQ4_NL with Q8_0, Q4_1/Q5_1 with Q8_1, the K-quants and IQ4_XS with Q8_K,
+//! F16 with F16, F32 with F32. Integer products are summed per block and scaled once, as in
+//! ggml, so results agree with llama.cpp up to float summation order.
+
+use crate::quant::{f16_to_f32, IQ4NL_VALUES};
+use crate::types::GgmlType;
+
+#[inline(always)]
+pub(crate) fn rd_f16(b: &[u8], o: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[o], b[o + 1]]))
+}
+
+#[inline(always)]
+pub(crate) fn rd_f32(b: &[u8], o: usize) -> f32 {
+    f32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+/// The activation format ggml quantizes the other operand to for weights of type `ty`.
+pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q5_0 | Q8_0 | IQ4_NL => Q8_0,
+        Q4_1 | Q5_1 => Q8_1,
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => Q8_K,
+        F16 => F16,
+        BF16 => BF16,
+        _ => F32,
+    }
+}
+
+/// Whether [`vec_dot`] has an integer kernel for weights of type `ty` (others go
+/// through dequantization to f32).
+pub fn has_kernel(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K | IQ4_NL
+    )
+}
+
+/// Dot product of `n` elements: `w` encoded as `ty`, `a` encoded as `vec_dot_type(ty)`.
+/// Callers guarantee both slices hold exactly `n` elements of their format.
+pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    use GgmlType::*;
+    match ty {
+        F32 => dot_f32(n, w, a),
+        F16 => dot_f16(n, w, a),
+        Q4_0 => dot_q4_0(n / 32, w, a),
+        Q4_1 => dot_q4_1(n / 32, w, a),
+        Q5_0 => dot_q5_0(n / 32, w, a),
+        Q5_1 => dot_q5_1(n / 32, w, a),
+        Q8_0 => dot_q8_0(n / 32, w, a),
+        IQ4_NL => dot_iq4_nl(n / 32, w, a),
+        Q4_K => dot_q4_k(n / 256, w, a),
+        Q5_K => dot_q5_k(n / 256, w, a),
+        Q6_K => dot_q6_k(n / 256, w, a),
+        _ => 0.0,
+    }
+}
+
+fn dot_f32(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut s = 0.0f32;
+    for i in 0..n {
+        s += rd_f32(w, 4 * i) * rd_f32(a, 4 * i);
+    }
+    s
+}
+
+fn dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut s = 0.0f64;
+    for i in 0..n {
+        s += (rd_f16(w, 2 * i) * rd_f16(a, 2 * i)) as f64;
+    }
+    s as f32
+}
+
+/// Sum of `q8[j] * (lo/hi nibble of q4[j])` over a 32-element block whose nibbles are
+/// laid out as ggml's legacy formats: low nibbles are elements 0..16, high 16..32.
+#[inline(always)]
+fn nibble_dot(qs: &[u8], q8: &[u8], offset: i32) -> i32 {
+    let mut s = 0i32;
+    for j in 0..16 {
+        let lo = (qs[j] & 0x0f) as i32 - offset;
+        let hi = (qs[j] >> 4) as i32 - offset;
+        s += lo * q8[j] as i8 as i32 + hi * q8[j + 16] as i8 as i32;
+    }
+    s
+}
+
+fn dot_q4_0(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 18..b * 18 + 18];
+        let y = &a[b * 34..b * 34 + 34];
+        let sumi = nibble_dot(&x[2..18], &y[2..34], 8);
+        sum += sumi as f32 * rd_f16(x, 0) * rd_f16(y, 0);
+    }
+    sum
+}
+
+fn dot_q4_1(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 20..b * 20 + 20];
+        let y = &a[b * 36..b * 36 + 36];
+        let sumi = nibble_dot(&x[4..20], &y[4..36], 0);
+        sum += (rd_f16(x, 0) * rd_f16(y, 0)) * sumi as f32 + rd_f16(x, 2) * rd_f16(y, 2);
+    }
+    sum
+}
+
+#[inline(always)]
+fn q5_dot(qh: u32, qs: &[u8], q8: &[u8], offset: i32) -> i32 {
+    let mut s = 0i32;
+    for j in 0..16 {
+        let h0 = ((qh >> j) << 4) & 0x10;
+        let h1 = (qh >> (j + 12)) & 0x10;
+        let x0 = ((qs[j] & 0x0f) as u32 | h0) as i32 - offset;
+        let x1 = ((qs[j] >> 4) as u32 | h1) as i32 - offset;
+        s += x0 * q8[j] as i8 as i32 + x1 * q8[j + 16] as i8 as i32;
+    }
+    s
+}
+
+fn dot_q5_0(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 22..b * 22 + 22];
+        let y = &a[b * 34..b * 34 + 34];
+        let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+        let sumi = q5_dot(qh, &x[6..22], &y[2..34], 16);
+        sum += sumi as f32 * rd_f16(x, 0) * rd_f16(y, 0);
+    }
+    sum
+}
+
+fn dot_q5_1(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 24..b * 24 + 24];
+        let y = &a[b * 36..b * 36 + 36];
+        let qh = u32::from_le_bytes([x[4], x[5], x[6], x[7]]);
+        let sumi = q5_dot(qh, &x[8..24], &y[4..36], 0);
+        sum += (rd_f16(x, 0) * rd_f16(y, 0)) * sumi as f32 + rd_f16(x, 2) * rd_f16(y, 2);
+    }
+    sum
+}
+
+fn dot_q8_0(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 34..b * 34 + 34];
+        let y = &a[b * 34..b * 34 + 34];
+        let mut sumi = 0i32;
+        for j in 0..32 {
+            sumi += x[2 + j] as i8 as i32 * y[2 + j] as i8 as i32;
+        }
+        sum += sumi as f32 * (rd_f16(x, 0) * rd_f16(y, 0));
+    }
+    sum
+}
+
+fn dot_iq4_nl(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 18..b * 18 + 18];
+        let y = &a[b * 34..b * 34 + 34];
+        let mut sumi = 0i32;
+        for j in 0..16 {
+            let q = x[2 + j];
+            sumi += IQ4NL_VALUES[(q & 0x0f) as usize] as i32 * y[2 + j] as i8 as i32
+                + IQ4NL_VALUES[(q >> 4) as usize] as i32 * y[18 + j] as i8 as i32;
+        }
+        sum += (rd_f16(x, 0) * rd_f16(y, 0)) * sumi as f32;
+    }
+    sum
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K super-block.
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Q8_K block: d (f32) at 0, 256 i8 at 4, 16 i16 group sums at 260.
+const Q8K_SIZE: usize = 292;
+
+#[inline(always)]
+fn q8k_bsum(y: &[u8], g: usize) -> i32 {
+    i16::from_le_bytes([y[260 + 2 * g], y[261 + 2 * g]]) as i32
+}
+
+fn dot_q4_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 144..b * 144 + 144];
+        let y = &a[b * Q8K_SIZE..(b + 1) * Q8K_SIZE];
+        let yd = rd_f32(y, 0);
+        let d = yd * rd_f16(x, 0);
+        let dmin = yd * rd_f16(x, 2);
+        let scales = &x[4..16];
+        let qs = &x[16..144];
+        let q8 = &y[4..260];
+        let mut sumi = 0i32;
+        let mut summs = 0i32;
+        for j in 0..4 {
+            let (sc0, m0) = scale_min_k4(2 * j, scales);
+            let (sc1, m1) = scale_min_k4(2 * j + 1, scales);
+            let q = &qs[32 * j..32 * j + 32];
+            let y0 = &q8[64 * j..64 * j + 32];
+            let y1 = &q8[64 * j + 32..64 * j + 64];
+            let mut s0 = 0i32;
+            let mut s1 = 0i32;
+            for l in 0..32 {
+                s0 += (q[l] & 0x0f) as i32 * y0[l] as i8 as i32;
+                s1 += (q[l] >> 4) as i32 * y1[l] as i8 as i32;
+            }
+            sumi += sc0 as i32 * s0 + sc1 as i32 * s1;
+            summs += m0 as i32 * (q8k_bsum(y, 4 * j) + q8k_bsum(y, 4 * j + 1))
+                + m1 as i32 * (q8k_bsum(y, 4 * j + 2) + q8k_bsum(y, 4 * j + 3));
+        }
+        sum += d * sumi as f32 - dmin * summs as f32;
+    }
+    sum
+}
+
+fn dot_q5_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 176..b * 176 + 176];
+        let y = &a[b * Q8K_SIZE..(b + 1) * Q8K_SIZE];
+        let yd = rd_f32(y, 0);
+        let d = yd * rd_f16(x, 0);
+        let dmin = yd * rd_f16(x, 2);
+        let scales = &x[4..16];
+        let qh = &x[16..48];
+        let qs = &x[48..176];
+        let q8 = &y[4..260];
+        let mut sumi = 0i32;
+        let mut summs = 0i32;
+        for j in 0..4 {
+            let (sc0, m0) = scale_min_k4(2 * j, scales);
+            let (sc1, m1) = scale_min_k4(2 * j + 1, scales);
+            let q = &qs[32 * j..32 * j + 32];
+            let u0 = 1u8 << (2 * j);
+            let u1 = 2u8 << (2 * j);
+            let y0 = &q8[64 * j..64 * j + 32];
+            let y1 = &q8[64 * j + 32..64 * j + 64];
+            let mut s0 = 0i32;
+            let mut s1 = 0i32;
+            for l in 0..32 {
+                let h0 = if qh[l] & u0 != 0 { 16 } else { 0 };
+                let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+                s0 += ((q[l] & 0x0f) as i32 + h0) * y0[l] as i8 as i32;
+                s1 += ((q[l] >> 4) as i32 + h1) * y1[l] as i8 as i32;
+            }
+            sumi += sc0 as i32 * s0 + sc1 as i32 * s1;
+            summs += m0 as i32 * (q8k_bsum(y, 4 * j) + q8k_bsum(y, 4 * j + 1))
+                + m1 as i32 * (q8k_bsum(y, 4 * j + 2) + q8k_bsum(y, 4 * j + 3));
+        }
+        sum += d * sumi as f32 - dmin * summs as f32;
+    }
+    sum
+}
+
+fn dot_q6_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0.0f32;
+    for b in 0..nb {
+        let x = &w[b * 210..b * 210 + 210];
+        let y = &a[b * Q8K_SIZE..(b + 1) * Q8K_SIZE];
+        let d = rd_f32(y, 0) * rd_f16(x, 208);
+        let ql = &x[0..128];
+        let qh = &x[128..192];
+        let sc = &x[192..208];
+        let q8 = &y[4..260];
+        let mut sumi = 0i32;
+        for half in 0..2 {
+            let ql = &ql[64 * half..64 * half + 64];
+            let qh = &qh[32 * half..32 * half + 32];
+            let sc = &sc[8 * half..8 * half + 8];
+            let q8 = &q8[128 * half..128 * half + 128];
+            // four groups of 32 values, each made of two 16-value scale groups
+            let mut acc = [0i32; 8];
+            for l in 0..32 {
+                let is = l / 16;
+                let v1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+                let v2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                let v3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                let v4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                acc[is] += v1 * q8[l] as i8 as i32;
+                acc[is + 2] += v2 * q8[l + 32] as i8 as i32;
+                acc[is + 4] += v3 * q8[l + 64] as i8 as i32;
+                acc[is + 6] += v4 * q8[l + 96] as i8 as i32;
+            }
+            for (g, s) in acc.iter().enumerate() {
+                sumi += sc[g] as i8 as i32 * s;
+            }
+        }
+        sum += d * sumi as f32;
+    }
+    sum
+}

@@ -1,0 +1,129 @@
+//! Element-wise transformer operations, computed the way ggml's CPU backend computes
+//! them (same accumulation precision and rounding points) so that results track
+//! llama.cpp closely.
+
+use super::dot::rd_f32;
+
+/// RMS normalisation in place, then multiplication by `weight`:
+/// `x = (x / sqrt(mean(x²) + eps)) * weight`. The sum of squares is accumulated in f64
+/// as ggml does.
+pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0f32 / (mean + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(weight) {
+        *v = (*v * scale) * *w;
+    }
+}
+
+/// How RoPE pairs up the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeMode {
+    /// Adjacent pairs `(2i, 2i+1)` (llama).
+    Normal,
+    /// Split halves `(i, i + n_rot/2)` (GPT-NeoX, qwen2, gemma).
+    Neox,
+}
+
+/// Rotary position embedding parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct Rope {
+    pub mode: RopeMode,
+    /// Number of dimensions rotated (the first `n_rot` of each head).
+    pub n_rot: usize,
+    pub freq_base: f32,
+    /// Linear scaling: positions are multiplied by this (1 / scaling factor).
+    pub freq_scale: f32,
+}
+
+impl Rope {
+    /// Fills `cos`/`sin` (`n_rot / 2` each) for position `pos`. The angle of pair `i` is
+    /// `pos * base^(-2i/n_rot)`, computed by repeated multiplication in f32 like ggml.
+    pub fn angles(&self, pos: f32, freq_factors: Option<&[f32]>, cos: &mut [f32], sin: &mut [f32]) {
+        let theta_scale = self.freq_base.powf(-2.0 / self.n_rot as f32);
+        let mut theta = pos;
+        for i in 0..self.n_rot / 2 {
+            let ff = freq_factors.map_or(1.0, |f| f[i]);
+            let t = self.freq_scale * (theta / ff);
+            cos[i] = t.cos();
+            sin[i] = t.sin();
+            theta *= theta_scale;
+        }
+    }
+
+    /// Rotates one head vector in place with precomputed angles.
+    pub fn apply(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
+        let half = self.n_rot / 2;
+        match self.mode {
+            RopeMode::Normal => {
+                for i in 0..half {
+                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = x0 * cos[i] - x1 * sin[i];
+                    head[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
+                }
+            }
+            RopeMode::Neox => {
+                for i in 0..half {
+                    let (x0, x1) = (head[i], head[i + half]);
+                    head[i] = x0 * cos[i] - x1 * sin[i];
+                    head[i + half] = x0 * sin[i] + x1 * cos[i];
+                }
+            }
+        }
+    }
+}
+
+/// Softmax in place with the sum accumulated in f64 (ggml's `ggml_vec_soft_max_f32`).
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    for v in x.iter_mut() {
+        let e = if *v == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (*v - max).exp()
+        };
+        *v = e;
+        sum += e as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// SiLU, `x / (1 + e^-x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `gate = silu(gate) * up`, element-wise (SwiGLU).
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * *u;
+    }
+}
+
+/// GELU with ggml's tanh approximation.
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+}
+
+/// Dot product of an f32 slice with f32 values stored as little-endian bytes.
+pub fn dot_f32_bytes(a: &[f32], b: &[u8]) -> f32 {
+    let mut s = 0.0f32;
+    for (i, x) in a.iter().enumerate() {
+        s += x * rd_f32(b, 4 * i);
+    }
+    s
+}
+
+/// Plain f32 dot product.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}

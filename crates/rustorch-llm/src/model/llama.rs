@@ -1,0 +1,335 @@
+//! The llama architecture (SmolLM2, TinyLlama, Llama-2/3, Mistral) and its qwen2
+//! variant, read top to bottom:
+//!
+//! ```text
+//! x = embed(tokens)
+//! for each layer:
+//!     h = rms_norm(x) * attn_norm
+//!     q, k, v = h·Wq (+bq), h·Wk (+bk), h·Wv (+bv)      qwen2 has the biases
+//!     q, k = rope(q, pos), rope(k, pos)                  llama: adjacent pairs, qwen2: NEOX halves
+//!     cache[seq][pos] = k, v
+//!     a = softmax(q·Kᵀ / √d, causal by position) · V     grouped-query: head h reads KV head h / (n_head / n_kv)
+//!     x = x + a·Wo
+//!     h = rms_norm(x) * ffn_norm
+//!     x = x + (silu(h·Wgate) ⊙ h·Wup)·Wdown             SwiGLU
+//! logits = rms_norm(x) * output_norm · Woutᵀ            Wout may be tied to the embedding
+//! ```
+
+use rustorch_core::kernels::ops::{rms_norm, swiglu};
+use rustorch_core::kernels::{matmul, matmul_reference};
+use rustorch_core::quant::{f16_to_f32, f32_to_f16};
+
+use super::{Arch, ForwardOutput, HParams, LayerStat, Loader, ModelError, Runtime, Weight};
+use crate::batch::Batch;
+use crate::kv_cache::KvCache;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
+}
+
+pub(crate) struct Llama {
+    tok_embd: Weight,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    output: Weight,
+    rope_freqs: Option<Vec<f32>>,
+}
+
+impl Llama {
+    pub fn load(ld: &Loader<'_>, hp: &HParams) -> Result<Self, ModelError> {
+        let (e, q, kv, ff) = (hp.n_embd, hp.q_dim(), hp.kv_dim(), hp.n_ff);
+        let tok_embd = ld.matrix("token_embd.weight", e, hp.n_vocab)?;
+        let output = if ld.has("output.weight") {
+            ld.matrix("output.weight", e, hp.n_vocab)?
+        } else {
+            tok_embd.clone()
+        };
+        let biased = hp.arch == Arch::Qwen2;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let bias = |s: &str, len| {
+                if biased {
+                    ld.vector(&n(s), len).map(Some)
+                } else {
+                    ld.optional_vector(&n(s), len)
+                }
+            };
+            layers.push(Layer {
+                attn_norm: ld.vector(&n("attn_norm.weight"), e)?,
+                wq: ld.matrix(&n("attn_q.weight"), e, q)?,
+                wk: ld.matrix(&n("attn_k.weight"), e, kv)?,
+                wv: ld.matrix(&n("attn_v.weight"), e, kv)?,
+                wo: ld.matrix(&n("attn_output.weight"), q, e)?,
+                bq: bias("attn_q.bias", q)?,
+                bk: bias("attn_k.bias", kv)?,
+                bv: bias("attn_v.bias", kv)?,
+                ffn_norm: ld.vector(&n("ffn_norm.weight"), e)?,
+                w_gate: ld.matrix(&n("ffn_gate.weight"), e, ff)?,
+                w_up: ld.matrix(&n("ffn_up.weight"), e, ff)?,
+                w_down: ld.matrix(&n("ffn_down.weight"), ff, e)?,
+            });
+        }
+        Ok(Llama {
+            tok_embd,
+            layers,
+            output_norm: ld.vector("output_norm.weight", e)?,
+            output,
+            rope_freqs: ld.optional_vector("rope_freqs.weight", hp.rope.n_rot / 2)?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        hp: &HParams,
+        bytes: &[u8],
+        batch: &Batch,
+        cache: &mut KvCache,
+        rt: &Runtime,
+    ) -> Result<ForwardOutput, ModelError> {
+        let n = batch.len();
+        let (e, qd, kvd, hd) = (hp.n_embd, hp.q_dim(), hp.kv_dim(), hp.head_dim);
+        let mut scratch = Vec::new();
+        let mm = |w: &Weight, x: &[f32], out: &mut [f32], scratch: &mut Vec<u8>| {
+            let m = w.view(bytes);
+            if rt.reference {
+                matmul_reference(&m, x, out)
+            } else {
+                matmul(&rt.pool, &m, x, out, scratch)
+            }
+        };
+
+        // Reserve one cache cell per token, at the position the caller gave.
+        cache.check_room(n)?;
+        let cells: Vec<usize> = (0..n)
+            .map(|i| cache.add_cell(batch.seq_ids[i], batch.positions[i]))
+            .collect();
+
+        // Rotation angles per token.
+        let half = hp.rope.n_rot / 2;
+        let mut cos = vec![0f32; n * half];
+        let mut sin = vec![0f32; n * half];
+        for i in 0..n {
+            hp.rope.angles(
+                batch.positions[i] as f32,
+                self.rope_freqs.as_deref(),
+                &mut cos[i * half..(i + 1) * half],
+                &mut sin[i * half..(i + 1) * half],
+            );
+        }
+
+        // x = embed(tokens)
+        let mut x = vec![0f32; n * e];
+        let embd = self.tok_embd.view(bytes);
+        for (i, &t) in batch.tokens.iter().enumerate() {
+            embd.dequantize_row(t as usize, &mut x[i * e..(i + 1) * e])?;
+        }
+
+        let mut h = vec![0f32; n * e];
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        let mut attn = vec![0f32; n * qd];
+        let mut proj = vec![0f32; n * e];
+        let mut gate = vec![0f32; n * hp.n_ff];
+        let mut up = vec![0f32; n * hp.n_ff];
+        let mut stats = Vec::new();
+
+        for (il, layer) in self.layers.iter().enumerate() {
+            // h = rms_norm(x) * attn_norm
+            h.copy_from_slice(&x);
+            for row in h.chunks_exact_mut(e) {
+                rms_norm(row, &layer.attn_norm, hp.rms_eps);
+            }
+            // q, k, v projections (+ bias)
+            mm(&layer.wq, &h, &mut q, &mut scratch)?;
+            mm(&layer.wk, &h, &mut k, &mut scratch)?;
+            mm(&layer.wv, &h, &mut v, &mut scratch)?;
+            add_bias(&mut q, layer.bq.as_deref());
+            add_bias(&mut k, layer.bk.as_deref());
+            add_bias(&mut v, layer.bv.as_deref());
+            // rotate q and k by each token's own position
+            for i in 0..n {
+                let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
+                    hp.rope.apply(head, c, s);
+                }
+                for head in k[i * kvd..(i + 1) * kvd].chunks_exact_mut(hd) {
+                    hp.rope.apply(head, c, s);
+                }
+            }
+            // store k, v in the cache, then attend
+            for i in 0..n {
+                cache.write(
+                    batch.seq_ids[i],
+                    cells[i],
+                    il,
+                    &k[i * kvd..(i + 1) * kvd],
+                    &v[i * kvd..(i + 1) * kvd],
+                );
+            }
+            attention(hp, il, batch, cache, &q, &mut attn, rt);
+            // x = x + attn·Wo
+            mm(&layer.wo, &attn, &mut proj, &mut scratch)?;
+            add_into(&mut x, &proj);
+
+            // feed-forward: x = x + (silu(h·Wgate) ⊙ h·Wup)·Wdown
+            h.copy_from_slice(&x);
+            for row in h.chunks_exact_mut(e) {
+                rms_norm(row, &layer.ffn_norm, hp.rms_eps);
+            }
+            mm(&layer.w_gate, &h, &mut gate, &mut scratch)?;
+            mm(&layer.w_up, &h, &mut up, &mut scratch)?;
+            swiglu(&mut gate, &up);
+            mm(&layer.w_down, &gate, &mut proj, &mut scratch)?;
+            add_into(&mut x, &proj);
+
+            if rt.dump_layers {
+                for (i, row) in x.chunks_exact(e).enumerate() {
+                    stats.push(layer_stat(il, i, batch.positions[i], row));
+                }
+            }
+        }
+
+        // logits for the tokens that asked for them
+        let rows: Vec<usize> = (0..n).filter(|&i| batch.logits[i]).collect();
+        let mut hout = Vec::with_capacity(rows.len() * e);
+        for &i in &rows {
+            let mut row = x[i * e..(i + 1) * e].to_vec();
+            rms_norm(&mut row, &self.output_norm, hp.rms_eps);
+            hout.extend_from_slice(&row);
+        }
+        let mut logits = vec![0f32; rows.len() * hp.n_vocab];
+        if !rows.is_empty() {
+            mm(&self.output, &hout, &mut logits, &mut scratch)?;
+        }
+        Ok(ForwardOutput {
+            logits,
+            rows,
+            layer_stats: stats,
+        })
+    }
+}
+
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            add_into(row, b);
+        }
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += *b;
+    }
+}
+
+fn layer_stat(layer: usize, batch_index: usize, pos: u32, row: &[f32]) -> LayerStat {
+    let n = row.len() as f64;
+    let sum: f64 = row.iter().map(|&v| v as f64).sum();
+    let sq: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    LayerStat {
+        layer,
+        batch_index,
+        pos,
+        rms: (sq / n).sqrt() as f32,
+        mean: (sum / n) as f32,
+        max_abs: row.iter().fold(0f32, |m, &v| m.max(v.abs())),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Causal grouped-query attention of every (token, head) against the cache cells of the
+/// token's sequence whose position is not after the token's.
+///
+/// The arithmetic follows llama.cpp's CPU flash attention, which its command-line tools
+/// use by default: the query is rounded to f16 for the f16 K·Q product, the softmax is
+/// computed online (running max `m`, running sum `s`), and the weighted sum of values is
+/// accumulated in an f16 vector, rescaled whenever a new maximum appears.
+fn attention(
+    hp: &HParams,
+    layer: usize,
+    batch: &Batch,
+    cache: &KvCache,
+    q: &[f32],
+    out: &mut [f32],
+    rt: &Runtime,
+) {
+    let (hd, qd, kvd) = (hp.head_dim, hp.q_dim(), cache.kv_dim());
+    let group = hp.n_head / hp.n_head_kv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let n_tasks = batch.len() * hp.n_head;
+    let dst = SendPtr(out.as_mut_ptr());
+    rt.pool.run(n_tasks, &|task| {
+        let dst = dst;
+        let (i, head) = (task / hp.n_head, task % hp.n_head);
+        let kvh = head / group;
+        let pos = batch.positions[i];
+        let o = i * qd + head * hd;
+        // SAFETY: each task owns out[o..o+hd]; tasks are disjoint.
+        let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
+        out_head.fill(0.0);
+        let Some(cells) = cache.seq(batch.seq_ids[i]) else {
+            return;
+        };
+        let qh: Vec<f32> = q[o..o + hd]
+            .iter()
+            .map(|&x| f16_to_f32(f32_to_f16(x)))
+            .collect();
+        let kl = &cells.k[layer];
+        let vl = &cells.v[layer];
+        let mut acc = vec![0u16; hd]; // f16 accumulator of the weighted values
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for (c, &p) in cells.pos.iter().enumerate() {
+            if p > pos {
+                continue;
+            }
+            let base = c * kvd + kvh * hd;
+            let kr = &kl[base..base + hd];
+            let mut s = 0f32;
+            for (a, b) in qh.iter().zip(kr) {
+                s += a * f16_to_f32(*b);
+            }
+            let s = s * scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+                for a in acc.iter_mut() {
+                    *a = f32_to_f16(f16_to_f32(*a) * ms);
+                }
+            } else {
+                vs = (s - m).exp();
+            }
+            for (a, b) in acc.iter_mut().zip(&vl[base..base + hd]) {
+                *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
+            }
+            sum = sum * ms + vs;
+        }
+        if sum == 0.0 {
+            return;
+        }
+        let inv = 1.0 / sum;
+        for (o, a) in out_head.iter_mut().zip(&acc) {
+            *o = f16_to_f32(*a) * inv;
+        }
+    });
+}

@@ -1,0 +1,390 @@
+//! Model loading: hyper-parameters from GGUF metadata, weights as views into the
+//! memory-mapped file, and the architectures that run them.
+
+mod llama;
+
+use std::sync::Arc;
+
+use rustorch_core::gguf::{GgufError, GgufFile, TensorInfo};
+use rustorch_core::kernels::ops::{Rope, RopeMode};
+use rustorch_core::kernels::{QMatrix, ThreadPool};
+use rustorch_core::quant::{self, QuantError};
+use rustorch_core::GgmlType;
+
+use crate::batch::Batch;
+use crate::kv_cache::{KvCache, KvCacheError};
+
+/// Architectures this engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// llama, SmolLM2, TinyLlama, Llama-2/3, Mistral
+    Llama,
+    /// Qwen2 / Qwen2.5: llama with QKV bias and NEOX RoPE
+    Qwen2,
+}
+
+impl Arch {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(Arch::Llama),
+            "qwen2" => Some(Arch::Qwen2),
+            _ => None,
+        }
+    }
+}
+
+/// Hyper-parameters, all read from GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct HParams {
+    pub arch: Arch,
+    pub arch_name: String,
+    pub n_vocab: usize,
+    pub n_ctx_train: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ff: usize,
+    pub rms_eps: f32,
+    pub rope: Rope,
+}
+
+impl HParams {
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+}
+
+/// Everything that can go wrong loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported architecture '{0}' (supported: llama, qwen2)")]
+    UnsupportedArch(String),
+    #[error("tensor '{name}' is missing")]
+    MissingTensor { name: String },
+    #[error("tensor '{name}' has shape {found:?}, expected {expected:?}")]
+    BadShape {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+    },
+    #[error("tensor '{name}' has type {ty}, which this engine cannot compute with")]
+    UnsupportedType { name: String, ty: GgmlType },
+    #[error("metadata '{key}': {reason}")]
+    BadHParam { key: String, reason: String },
+    #[error("empty batch: nothing to evaluate")]
+    EmptyBatch,
+    #[error("token id {token} at batch index {index} is out of range (vocabulary has {n_vocab} tokens)")]
+    TokenOutOfRange {
+        token: u32,
+        index: usize,
+        n_vocab: usize,
+    },
+    #[error("batch fields have different lengths")]
+    MalformedBatch,
+    #[error(transparent)]
+    Cache(#[from] KvCacheError),
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+}
+
+/// A weight matrix: where it lies in the file and its shape.
+#[derive(Debug, Clone)]
+pub(crate) struct Weight {
+    pub ty: GgmlType,
+    pub start: usize,
+    pub len: usize,
+    pub n_rows: usize,
+    pub n_cols: usize,
+}
+
+impl Weight {
+    pub fn view<'a>(&self, bytes: &'a [u8]) -> QMatrix<'a> {
+        QMatrix {
+            ty: self.ty,
+            data: &bytes[self.start..self.start + self.len],
+            n_rows: self.n_rows,
+            n_cols: self.n_cols,
+        }
+    }
+}
+
+/// Reads weights by name, checking shape and type.
+pub(crate) struct Loader<'a> {
+    pub gguf: &'a GgufFile,
+}
+
+impl Loader<'_> {
+    fn info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
+        self.gguf
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.gguf.tensor_info(name).is_some()
+    }
+
+    fn check_shape(&self, t: &TensorInfo, expected: &[u64]) -> Result<(), ModelError> {
+        let mut found = t.dims.clone();
+        while found.len() > expected.len() && found.last() == Some(&1) {
+            found.pop();
+        }
+        if found != expected {
+            return Err(ModelError::BadShape {
+                name: t.name.clone(),
+                expected: expected.to_vec(),
+                found: t.dims.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A 2-D weight of `n_rows` rows by `n_cols` columns (ggml shape `[n_cols, n_rows]`).
+    pub fn matrix(&self, name: &str, n_cols: usize, n_rows: usize) -> Result<Weight, ModelError> {
+        let t = self.info(name)?;
+        self.check_shape(t, &[n_cols as u64, n_rows as u64])?;
+        if !quant::supports_dequantize(t.ty) {
+            return Err(ModelError::UnsupportedType {
+                name: name.to_string(),
+                ty: t.ty,
+            });
+        }
+        Ok(Weight {
+            ty: t.ty,
+            start: (self.gguf.data_offset() + t.offset) as usize,
+            len: t.n_bytes as usize,
+            n_rows,
+            n_cols,
+        })
+    }
+
+    /// A 1-D tensor decoded to f32 (norm weights, biases).
+    pub fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.info(name)?;
+        self.check_shape(t, &[n as u64])?;
+        let mut out = vec![0f32; n];
+        quant::dequantize(t.ty, self.gguf.tensor_data(t), &mut out).map_err(|_| {
+            ModelError::UnsupportedType {
+                name: name.to_string(),
+                ty: t.ty,
+            }
+        })?;
+        Ok(out)
+    }
+
+    pub fn optional_vector(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+        if self.has(name) {
+            self.vector(name, n).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+fn hp_u32(g: &GgufFile, key: &str) -> Result<usize, ModelError> {
+    Ok(g.get_u32(key)? as usize)
+}
+
+fn hp_opt_u32(g: &GgufFile, key: &str) -> Result<Option<usize>, ModelError> {
+    match g.get(key) {
+        None => Ok(None),
+        Some(_) => hp_u32(g, key).map(Some),
+    }
+}
+
+impl HParams {
+    /// Reads the hyper-parameters of `{arch}.*` keys.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let arch_name = g.architecture()?.to_string();
+        let arch = Arch::from_name(&arch_name)
+            .ok_or_else(|| ModelError::UnsupportedArch(arch_name.clone()))?;
+        let k = |s: &str| format!("{arch_name}.{s}");
+        let n_embd = hp_u32(g, &k("embedding_length"))?;
+        let n_head = hp_u32(g, &k("attention.head_count"))?;
+        let n_head_kv = hp_opt_u32(g, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(ModelError::BadHParam {
+                key: k("attention.head_count_kv"),
+                reason: format!("{n_head} heads cannot be grouped over {n_head_kv} KV heads"),
+            });
+        }
+        let head_dim = hp_opt_u32(g, &k("attention.key_length"))?.unwrap_or(n_embd / n_head);
+        let n_rot = hp_opt_u32(g, &k("rope.dimension_count"))?.unwrap_or(head_dim);
+        if n_rot > head_dim || n_rot % 2 != 0 {
+            return Err(ModelError::BadHParam {
+                key: k("rope.dimension_count"),
+                reason: format!("{n_rot} rotated dimensions for head size {head_dim}"),
+            });
+        }
+        let freq_base = match g.get(&k("rope.freq_base")) {
+            Some(_) => g.get_f32(&k("rope.freq_base"))?,
+            None => 10000.0,
+        };
+        let mut freq_scale = 1.0f32;
+        if let Ok(kind) = g.get_str(&k("rope.scaling.type")) {
+            if kind == "linear" {
+                let f = g.get_f32(&k("rope.scaling.factor"))?;
+                if f > 0.0 {
+                    freq_scale = 1.0 / f;
+                }
+            }
+        }
+        let n_vocab = match g.get_string_array("tokenizer.ggml.tokens") {
+            Ok(t) => t.len(),
+            Err(_) => hp_u32(g, &k("vocab_size"))?,
+        };
+        let mode = match arch {
+            Arch::Llama => RopeMode::Normal,
+            Arch::Qwen2 => RopeMode::Neox,
+        };
+        Ok(HParams {
+            arch,
+            arch_name: arch_name.clone(),
+            n_vocab,
+            n_ctx_train: hp_u32(g, &k("context_length"))?,
+            n_embd,
+            n_layer: hp_u32(g, &k("block_count"))?,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ff: hp_u32(g, &k("feed_forward_length"))?,
+            rms_eps: g.get_f32(&k("attention.layer_norm_rms_epsilon"))?,
+            rope: Rope {
+                mode,
+                n_rot,
+                freq_base,
+                freq_scale,
+            },
+        })
+    }
+}
+
+/// Per-layer statistics of the residual stream for one token (`--dump-layers`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerStat {
+    pub layer: usize,
+    pub batch_index: usize,
+    pub pos: u32,
+    pub rms: f32,
+    pub mean: f32,
+    pub max_abs: f32,
+}
+
+/// What a forward call returns.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardOutput {
+    /// `n_outputs × n_vocab` logits, in batch order of the tokens that asked for them.
+    pub logits: Vec<f32>,
+    /// Batch index of each row of `logits`.
+    pub rows: Vec<usize>,
+    /// Filled when the runtime's `dump_layers` is set.
+    pub layer_stats: Vec<LayerStat>,
+}
+
+impl ForwardOutput {
+    /// The logits row for batch index `i`, if it asked for logits.
+    pub fn logits_for(&self, i: usize, n_vocab: usize) -> Option<&[f32]> {
+        let r = self.rows.iter().position(|&b| b == i)?;
+        Some(&self.logits[r * n_vocab..(r + 1) * n_vocab])
+    }
+
+    /// The last row of logits.
+    pub fn last(&self, n_vocab: usize) -> Option<&[f32]> {
+        let n = self.rows.len();
+        (n > 0).then(|| &self.logits[(n - 1) * n_vocab..n * n_vocab])
+    }
+}
+
+/// How forward calls are computed: threads, reference or fast kernels, debug output.
+pub struct Runtime {
+    pub pool: ThreadPool,
+    /// Use the slow scalar f32 path (dequantize + naive matmul) instead of quantized dots.
+    pub reference: bool,
+    /// Record per-layer residual statistics.
+    pub dump_layers: bool,
+}
+
+impl Runtime {
+    pub fn new(n_threads: usize) -> Self {
+        Runtime {
+            pool: ThreadPool::new(n_threads),
+            reference: false,
+            dump_layers: false,
+        }
+    }
+}
+
+/// A loaded model: hyper-parameters plus weights borrowed from the memory-mapped GGUF.
+pub struct Model {
+    gguf: Arc<GgufFile>,
+    hp: HParams,
+    inner: llama::Llama,
+}
+
+impl Model {
+    /// Builds the model described by `gguf`'s metadata.
+    pub fn load(gguf: Arc<GgufFile>) -> Result<Self, ModelError> {
+        let hp = HParams::from_gguf(&gguf)?;
+        let inner = llama::Llama::load(&Loader { gguf: &gguf }, &hp)?;
+        Ok(Model { gguf, hp, inner })
+    }
+
+    pub fn hparams(&self) -> &HParams {
+        &self.hp
+    }
+
+    pub fn gguf(&self) -> &Arc<GgufFile> {
+        &self.gguf
+    }
+
+    /// A KV cache for this model holding `n_ctx` tokens in total.
+    pub fn new_cache(&self, n_ctx: usize) -> KvCache {
+        KvCache::new(self.hp.n_layer, self.hp.kv_dim(), n_ctx)
+    }
+
+    /// Evaluates `batch`, writing its keys/values into `cache`, and returns logits for the
+    /// tokens that asked for them.
+    pub fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+        rt: &Runtime,
+    ) -> Result<ForwardOutput, ModelError> {
+        let n = batch.len();
+        if n == 0 {
+            return Err(ModelError::EmptyBatch);
+        }
+        if batch.positions.len() != n || batch.seq_ids.len() != n || batch.logits.len() != n {
+            return Err(ModelError::MalformedBatch);
+        }
+        if let Some((index, &token)) = batch
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.hp.n_vocab)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                token,
+                index,
+                n_vocab: self.hp.n_vocab,
+            });
+        }
+        tracing::debug!(
+            n_tokens = n,
+            positions = ?batch.positions,
+            seq_ids = ?batch.seq_ids,
+            "forward"
+        );
+        self.inner
+            .forward(&self.hp, self.gguf.bytes(), batch, cache, rt)
+    }
+}
