@@ -4,11 +4,22 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+mod chat;
+mod common;
 mod inspect;
+mod perplexity;
+mod quantize;
+mod run;
+mod serve;
 mod tokenize;
 
 #[derive(Parser)]
-#[command(name = "rustorch", version, about = "A Rust inference engine for GGUF language models")]
+#[command(
+    name = "rustorch",
+    version,
+    about = "A Rust inference engine for GGUF language models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -16,17 +27,35 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Print a GGUF file's metadata, tensors and architecture summary
-    Inspect(inspect::Args),
+    /// Generate text from a prompt
+    Run(run::Args),
+    /// Interactive chat with a model
+    Chat(chat::Args),
+    /// OpenAI-compatible HTTP server
+    Serve(serve::Args),
+    /// Measure prompt and generation speed, like llama-bench
+    Bench(bench::Args),
+    /// Perplexity of a model over a text file
+    Perplexity(perplexity::Args),
+    /// Convert a GGUF model to another tensor format
+    Quantize(quantize::Args),
     /// Tokenize text with a model's vocabulary
     Tokenize(tokenize::Args),
+    /// Print a GGUF file's metadata, tensors and architecture summary
+    Inspect(inspect::Args),
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(common::expand_llama_aliases(std::env::args()));
     let result = match cli.command {
-        Command::Inspect(a) => inspect::run(a),
+        Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Serve(a) => serve::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
+        Command::Quantize(a) => quantize::run(a),
         Command::Tokenize(a) => tokenize::run(a),
+        Command::Inspect(a) => inspect::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,9 +3,12 @@
 //! reported through `tracing` events.
 
 pub mod batch;
+pub mod chat;
+pub mod engine;
 pub mod kv_cache;
 pub mod model;
-// pub mod tokenizer; (enabled when the tokenizer lands)
+pub mod sampler;
+pub mod tokenizer;
 
 pub use batch::{Batch, SeqId};
 pub use kv_cache::{KvCache, KvCacheError};

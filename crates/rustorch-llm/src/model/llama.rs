@@ -90,6 +90,10 @@ impl Llama {
         })
     }
 
+    pub fn rope_freqs(&self) -> Option<&[f32]> {
+        self.rope_freqs.as_deref()
+    }
+
     pub fn forward(
         &self,
         hp: &HParams,
@@ -161,7 +165,10 @@ impl Llama {
             add_bias(&mut v, layer.bv.as_deref());
             // rotate q and k by each token's own position
             for i in 0..n {
-                let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                let (c, s) = (
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                );
                 for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
                     hp.rope.apply(head, c, s);
                 }

@@ -80,7 +80,9 @@ pub enum ModelError {
     BadHParam { key: String, reason: String },
     #[error("empty batch: nothing to evaluate")]
     EmptyBatch,
-    #[error("token id {token} at batch index {index} is out of range (vocabulary has {n_vocab} tokens)")]
+    #[error(
+        "token id {token} at batch index {index} is out of range (vocabulary has {n_vocab} tokens)"
+    )]
     TokenOutOfRange {
         token: u32,
         index: usize,
@@ -344,6 +346,20 @@ impl Model {
 
     pub fn gguf(&self) -> &Arc<GgufFile> {
         &self.gguf
+    }
+
+    /// Rotates a row of cached keys (all KV heads) by `delta` positions: RoPE angles are
+    /// linear in the position, so this moves keys written at `p` to `p + delta`.
+    pub fn rotate_keys(&self, row: &mut [f32], delta: i64) {
+        let hp = &self.hp;
+        let half = hp.rope.n_rot / 2;
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        hp.rope
+            .angles(delta as f32, self.inner.rope_freqs(), &mut cos, &mut sin);
+        for head in row.chunks_exact_mut(hp.head_dim) {
+            hp.rope.apply(head, &cos, &sin);
+        }
     }
 
     /// A KV cache for this model holding `n_ctx` tokens in total.

@@ -1,0 +1,281 @@
+//! What several subcommands share: finding and loading a model (with a spinner on a
+//! terminal), sampling flags, threads, logging.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rustorch_core::gguf::GgufFile;
+use rustorch_core::kernels::physical_cores;
+use rustorch_llm::chat::ChatTemplate;
+use rustorch_llm::sampler::SamplerParams;
+use rustorch_llm::tokenizer::Tokenizer;
+use rustorch_llm::Model;
+
+/// The model used when `-m` is not given.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `-m` or the default model, which must exist.
+pub fn resolve_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
+    match model {
+        Some(p) => {
+            if !p.exists() {
+                bail!("model file '{}' not found", p.display());
+            }
+            Ok(p.to_path_buf())
+        }
+        None => {
+            let p = PathBuf::from(DEFAULT_MODEL);
+            if !p.exists() {
+                bail!(
+                    "the default model '{DEFAULT_MODEL}' is not there; fetch it with \
+                     `scripts/fetch-models.sh` or pass another with -m PATH"
+                );
+            }
+            Ok(p)
+        }
+    }
+}
+
+/// A model, its vocabulary and how long loading took.
+pub struct Loaded {
+    pub gguf: Arc<GgufFile>,
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub load_time: Duration,
+}
+
+/// Opens, maps and checks the model, with a spinner on stderr when it is a terminal.
+pub fn load(path: &Path) -> anyhow::Result<Loaded> {
+    let t0 = Instant::now();
+    let spinner = std::io::stderr().is_terminal().then(|| {
+        let s = indicatif::ProgressBar::new_spinner();
+        s.set_message(format!("loading {}", path.display()));
+        s.enable_steady_tick(Duration::from_millis(80));
+        s
+    });
+    let result = (|| -> anyhow::Result<Loaded> {
+        let gguf = Arc::new(
+            GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?,
+        );
+        let tokenizer = Tokenizer::from_gguf(&gguf).context("reading the vocabulary")?;
+        let model = Model::load(gguf.clone()).context("loading the model")?;
+        Ok(Loaded {
+            gguf,
+            model,
+            tokenizer,
+            load_time: Duration::ZERO,
+        })
+    })();
+    if let Some(s) = spinner {
+        s.finish_and_clear();
+    }
+    let mut loaded = result?;
+    loaded.load_time = t0.elapsed();
+    Ok(loaded)
+}
+
+/// The chat template: a built-in name or file given by the user, else the GGUF's own,
+/// else chatml.
+pub fn chat_template(
+    gguf: &GgufFile,
+    name: Option<&str>,
+    file: Option<&Path>,
+) -> anyhow::Result<ChatTemplate> {
+    let own = ChatTemplate::from_gguf(gguf)?;
+    let (bos, eos) = own
+        .as_ref()
+        .map(|t| (t.bos_token().to_string(), t.eos_token().to_string()))
+        .unwrap_or_default();
+    if let Some(f) = file {
+        return Ok(ChatTemplate::from_file(f, bos, eos)?);
+    }
+    if let Some(n) = name {
+        return Ok(ChatTemplate::from_name_or_file(n, bos, eos)?);
+    }
+    match own {
+        Some(t) => Ok(t),
+        None => Ok(ChatTemplate::builtin("chatml")?.with_special_tokens(bos, eos)),
+    }
+}
+
+/// Thread count: `-t` or the number of physical cores.
+pub fn threads(t: Option<usize>) -> usize {
+    t.filter(|&n| n > 0).unwrap_or_else(physical_cores)
+}
+
+/// Context size: `-c`, or the model's training context when 0 / absent (llama.cpp).
+pub fn ctx_size(c: Option<usize>, model: &Model) -> usize {
+    match c {
+        Some(n) if n > 0 => n,
+        _ => model.hparams().n_ctx_train,
+    }
+}
+
+/// Logging to stderr: warnings by default, debug with `--verbose`, or `RUST_LOG`.
+pub fn init_logging(verbose: bool) {
+    let default = if verbose { "debug" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+/// Sampling flags, named as in llama.cpp.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Random seed (default: random, printed with --verbose)
+    #[arg(short = 's', long = "seed")]
+    pub seed: Option<u64>,
+    /// Temperature; 0 or below samples greedily
+    #[arg(long = "temp", default_value_t = 0.8, allow_hyphen_values = true)]
+    pub temp: f32,
+    /// Top-k sampling (0 = off)
+    #[arg(long = "top-k", default_value_t = 40, allow_hyphen_values = true)]
+    pub top_k: i32,
+    /// Top-p (nucleus) sampling (1.0 = off)
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p sampling (0.0 = off)
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Locally typical sampling (1.0 = off)
+    #[arg(long = "typical", default_value_t = 1.0)]
+    pub typical: f32,
+    /// Penalise repeated tokens (1.0 = off)
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Tokens the penalties look back over (0 = off, -1 = context size)
+    #[arg(
+        long = "repeat-last-n",
+        default_value_t = 64,
+        allow_hyphen_values = true
+    )]
+    pub repeat_last_n: i64,
+    /// Presence penalty (0.0 = off)
+    #[arg(
+        long = "presence-penalty",
+        default_value_t = 0.0,
+        allow_hyphen_values = true
+    )]
+    pub presence_penalty: f32,
+    /// Frequency penalty (0.0 = off)
+    #[arg(
+        long = "frequency-penalty",
+        default_value_t = 0.0,
+        allow_hyphen_values = true
+    )]
+    pub frequency_penalty: f32,
+    /// Bias a token's logit, e.g. `15043+1` or `15043-inf` (repeatable)
+    #[arg(short = 'l', long = "logit-bias", allow_hyphen_values = true)]
+    pub logit_bias: Vec<String>,
+    /// Keep generating past end-of-generation tokens
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    pub fn to_params(&self, tokenizer: &Tokenizer, n_ctx: usize) -> anyhow::Result<SamplerParams> {
+        let mut p = SamplerParams {
+            seed: self.seed,
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            typical_p: self.typical,
+            repeat_penalty: self.repeat_penalty,
+            penalty_last_n: if self.repeat_last_n < 0 {
+                n_ctx
+            } else {
+                self.repeat_last_n as usize
+            },
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            ignore_eos: self.ignore_eos,
+            eog_tokens: tokenizer.eog_ids().collect(),
+            ..SamplerParams::default()
+        };
+        for b in &self.logit_bias {
+            let (id, bias) = parse_logit_bias(b)?;
+            if id as usize >= tokenizer.n_vocab() {
+                bail!(
+                    "--logit-bias '{b}': token {id} is beyond the vocabulary ({} tokens)",
+                    tokenizer.n_vocab()
+                );
+            }
+            p.logit_bias.insert(id, bias);
+        }
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+/// Parses llama.cpp's `ID(+|-)BIAS` form (`15043+1`, `15043-inf`).
+pub fn parse_logit_bias(s: &str) -> anyhow::Result<(u32, f32)> {
+    let at = s
+        .find(['+', '-'])
+        .with_context(|| format!("--logit-bias '{s}': expected TOKEN_ID+BIAS or TOKEN_ID-BIAS"))?;
+    let id: u32 = s[..at]
+        .trim()
+        .parse()
+        .with_context(|| format!("--logit-bias '{s}': '{}' is not a token id", &s[..at]))?;
+    let bias: f32 = s[at..]
+        .trim()
+        .parse()
+        .with_context(|| format!("--logit-bias '{s}': '{}' is not a number", &s[at..]))?;
+    Ok((id, bias))
+}
+
+/// llama.cpp's multi-letter single-dash flags (`-sys`, `-np`, ...) as long options, since
+/// the argument parser only knows one-letter short flags.
+pub fn expand_llama_aliases(args: impl Iterator<Item = String>) -> Vec<String> {
+    args.map(|a| {
+        match a.as_str() {
+            "-sys" => "--system-prompt",
+            "-np" => "--parallel",
+            "-cnv" => "--conversation",
+            "-no-cnv" => "--no-conversation",
+            "-st" => "--single-turn",
+            "-fa" => "--flash-attn",
+            _ => return a,
+        }
+        .to_string()
+    })
+    .collect()
+}
+
+/// llama.cpp-style timing lines for stderr.
+pub fn timings(
+    load: Duration,
+    prompt_tokens: usize,
+    prompt: Duration,
+    gen_tokens: usize,
+    gen: Duration,
+) -> String {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let rate = |n: usize, d: Duration| {
+        if n == 0 || d.is_zero() {
+            (0.0, 0.0)
+        } else {
+            (ms(d) / n as f64, n as f64 / d.as_secs_f64())
+        }
+    };
+    let (pp_ms, pp_ts) = rate(prompt_tokens, prompt);
+    let (tg_ms, tg_ts) = rate(gen_tokens, gen);
+    format!(
+        "rustorch:        load time = {:10.2} ms\n\
+         rustorch: prompt eval time = {:10.2} ms / {prompt_tokens:5} tokens ({pp_ms:8.2} ms per token, {pp_ts:8.2} tokens per second)\n\
+         rustorch:        eval time = {:10.2} ms / {gen_tokens:5} runs   ({tg_ms:8.2} ms per token, {tg_ts:8.2} tokens per second)\n\
+         rustorch:       total time = {:10.2} ms / {:5} tokens",
+        ms(load),
+        ms(prompt),
+        ms(gen),
+        ms(load + prompt + gen),
+        prompt_tokens + gen_tokens
+    )
+}

@@ -1,0 +1,12 @@
+//! `rustorch perplexity`
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// GGUF model
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<std::path::PathBuf>,
+}
+
+pub fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("`rustorch perplexity` is not available in this build yet")
+}
