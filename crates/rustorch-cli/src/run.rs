@@ -63,6 +63,9 @@ pub struct Args {
     /// Per step: the N most likely tokens with their logits (stderr)
     #[arg(long = "top-logits", value_name = "N")]
     pub top_logits: Option<usize>,
+    /// Print the prompt's token ids to stderr before generating
+    #[arg(long = "verbose-prompt")]
+    pub verbose_prompt: bool,
     /// Debug logging (seed, positions of every forward call)
     #[arg(long = "verbose", short = 'v')]
     pub verbose: bool,
@@ -114,6 +117,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "the prompt is {} tokens long, but the context holds only {n_ctx} (raise -c/--ctx-size)",
             tokens.len()
         );
+    }
+    if args.verbose_prompt {
+        eprintln!("rustorch: prompt tokens ({}): {:?}", tokens.len(), tokens);
     }
     let n_predict = (args.n_predict >= 0).then_some(args.n_predict as usize);
     if let Some(n) = n_predict {
