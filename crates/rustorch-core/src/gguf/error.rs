@@ -25,7 +25,9 @@ pub enum GgufError {
         needed: u64,
         available: u64,
     },
-    #[error("{what} at offset {offset} has length {len}, beyond the {available} bytes left in the file")]
+    #[error(
+        "{what} at offset {offset} has length {len}, beyond the {available} bytes left in the file"
+    )]
     LengthBeyondFile {
         what: String,
         offset: u64,
@@ -33,9 +35,17 @@ pub enum GgufError {
         available: u64,
     },
     #[error("metadata key '{key}' at offset {offset}: arrays nested deeper than {max}")]
-    NestingTooDeep { key: String, offset: u64, max: usize },
+    NestingTooDeep {
+        key: String,
+        offset: u64,
+        max: usize,
+    },
     #[error("metadata key '{key}' at offset {offset}: unknown value type {type_id}")]
-    UnknownValueType { key: String, offset: u64, type_id: u32 },
+    UnknownValueType {
+        key: String,
+        offset: u64,
+        type_id: u32,
+    },
     #[error("invalid UTF-8 in {what} at offset {offset}")]
     InvalidUtf8 { what: String, offset: u64 },
     #[error("duplicate metadata key '{key}' at offset {offset}")]
@@ -43,7 +53,11 @@ pub enum GgufError {
     #[error("general.alignment = {value} is not a power of two (or is zero)")]
     BadAlignment { value: u64 },
     #[error("tensor '{name}' at offset {offset}: unknown tensor type {type_id}")]
-    UnknownTensorType { name: String, offset: u64, type_id: u32 },
+    UnknownTensorType {
+        name: String,
+        offset: u64,
+        type_id: u32,
+    },
     #[error("tensor '{name}' at offset {offset}: {n_dims} dimensions (at most {max})")]
     TooManyDims {
         name: String,
@@ -74,7 +88,9 @@ pub enum GgufError {
         size: u64,
         file_len: u64,
     },
-    #[error("tensor '{name}': data offset {offset} is not a multiple of the alignment {alignment}")]
+    #[error(
+        "tensor '{name}': data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
     TensorMisaligned {
         name: String,
         offset: u64,

@@ -124,8 +124,9 @@ impl GgufFile {
         }
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
-        // Each key/value takes at least 13 bytes, each tensor info at least 24.
-        c.check_count(n_kv, 13, "metadata count")?;
+        // Each key/value takes at least 13 bytes, each tensor info at least 24. The
+        // offsets are those of the counts in the header (8 and 16).
+        c.check_count(n_kv, 13, "metadata count", 16)?;
 
         let mut metadata = Vec::new();
         let mut key_index = HashMap::new();
@@ -160,7 +161,7 @@ impl GgufFile {
             }
         };
 
-        c.check_count(n_tensors, 24, "tensor count")?;
+        c.check_count(n_tensors, 24, "tensor count", 8)?;
         let mut tensors = Vec::new();
         let mut tensor_index = HashMap::new();
         for _ in 0..n_tensors {
@@ -206,7 +207,7 @@ impl GgufFile {
                     shape: dims.clone(),
                 })?;
             let ne0 = dims.first().copied().unwrap_or(1);
-            if ne0 % ty.block_size() as u64 != 0 {
+            if !ne0.is_multiple_of(ty.block_size() as u64) {
                 return Err(GgufError::NotBlockAligned {
                     name,
                     ty,
@@ -220,7 +221,7 @@ impl GgufFile {
                         name: name.clone(),
                         shape: dims.clone(),
                     })?;
-            if offset % alignment != 0 {
+            if !offset.is_multiple_of(alignment) {
                 return Err(GgufError::TensorMisaligned {
                     name,
                     offset,
@@ -356,7 +357,9 @@ impl GgufFile {
             .iter()
             .map(|x| x.as_str())
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| Self::wrong(key, "ARRAY[STRING]", self.get(key).unwrap_or(&Value::U8(0))))
+            .ok_or_else(|| {
+                Self::wrong(key, "ARRAY[STRING]", self.get(key).unwrap_or(&Value::U8(0)))
+            })
     }
 
     pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
@@ -365,7 +368,13 @@ impl GgufFile {
             .iter()
             .map(|x| x.as_f64().map(|f| f as f32))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| Self::wrong(key, "ARRAY[FLOAT32]", self.get(key).unwrap_or(&Value::U8(0))))
+            .ok_or_else(|| {
+                Self::wrong(
+                    key,
+                    "ARRAY[FLOAT32]",
+                    self.get(key).unwrap_or(&Value::U8(0)),
+                )
+            })
     }
 
     pub fn get_i64_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
@@ -413,6 +422,27 @@ pub(crate) fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
+/// What is being read, for error messages; turned into text only on error.
+trait Describe: Copy {
+    fn describe(self) -> String;
+}
+
+impl Describe for &str {
+    fn describe(self) -> String {
+        self.to_string()
+    }
+}
+
+/// The value of a metadata key.
+#[derive(Clone, Copy)]
+struct ValueOf<'k>(&'k str);
+
+impl Describe for ValueOf<'_> {
+    fn describe(self) -> String {
+        format!("value of '{}'", self.0)
+    }
+}
+
 struct Cursor<'a> {
     bytes: &'a [u8],
     pos: usize,
@@ -423,10 +453,10 @@ impl<'a> Cursor<'a> {
         (self.bytes.len() - self.pos) as u64
     }
 
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], GgufError> {
+    fn take(&mut self, n: usize, what: impl Describe) -> Result<&'a [u8], GgufError> {
         if (n as u64) > self.remaining() {
             return Err(GgufError::Truncated {
-                what: what.to_string(),
+                what: what.describe(),
                 offset: self.pos as u64,
                 needed: n as u64,
                 available: self.remaining(),
@@ -437,27 +467,34 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
 
-    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], GgufError> {
+    fn array<const N: usize>(&mut self, what: impl Describe) -> Result<[u8; N], GgufError> {
         let s = self.take(N, what)?;
         let mut a = [0u8; N];
         a.copy_from_slice(s);
         Ok(a)
     }
 
-    fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
+    fn u32(&mut self, what: impl Describe) -> Result<u32, GgufError> {
         Ok(u32::from_le_bytes(self.array(what)?))
     }
 
-    fn u64(&mut self, what: &str) -> Result<u64, GgufError> {
+    fn u64(&mut self, what: impl Describe) -> Result<u64, GgufError> {
         Ok(u64::from_le_bytes(self.array(what)?))
     }
 
-    /// Fails unless `count` items of at least `min_size` bytes could fit in what is left.
-    fn check_count(&self, count: u64, min_size: u64, what: &str) -> Result<(), GgufError> {
+    /// Fails unless `count` items of at least `min_size` bytes could fit in what is
+    /// left; `offset` is where the count itself was read.
+    fn check_count(
+        &self,
+        count: u64,
+        min_size: u64,
+        what: &str,
+        offset: u64,
+    ) -> Result<(), GgufError> {
         if count.saturating_mul(min_size) > self.remaining() {
             return Err(GgufError::LengthBeyondFile {
-                what: what.to_string(),
-                offset: self.pos as u64 - 8,
+                what: what.describe(),
+                offset,
                 len: count,
                 available: self.remaining(),
             });
@@ -465,12 +502,12 @@ impl<'a> Cursor<'a> {
         Ok(())
     }
 
-    fn string(&mut self, what: &str) -> Result<String, GgufError> {
+    fn string(&mut self, what: impl Describe) -> Result<String, GgufError> {
         let offset = self.pos as u64;
         let len = self.u64(what)?;
         if len > self.remaining() {
             return Err(GgufError::LengthBeyondFile {
-                what: what.to_string(),
+                what: what.describe(),
                 offset,
                 len,
                 available: self.remaining(),
@@ -478,26 +515,28 @@ impl<'a> Cursor<'a> {
         }
         let raw = self.take(len as usize, what)?;
         String::from_utf8(raw.to_vec()).map_err(|_| GgufError::InvalidUtf8 {
-            what: what.to_string(),
+            what: what.describe(),
             offset: offset + 8,
         })
     }
 
     fn value(&mut self, ty: ValueType, key: &str, depth: usize) -> Result<Value, GgufError> {
-        let what = || format!("value of '{key}'");
+        // Described only if something goes wrong: formatting the key for every value
+        // read made parsing a large vocabulary several times slower.
+        let what = ValueOf(key);
         Ok(match ty {
-            ValueType::U8 => Value::U8(self.array::<1>(&what())?[0]),
-            ValueType::I8 => Value::I8(self.array::<1>(&what())?[0] as i8),
-            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(&what())?)),
-            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(&what())?)),
-            ValueType::U32 => Value::U32(u32::from_le_bytes(self.array(&what())?)),
-            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(&what())?)),
-            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(&what())?)),
-            ValueType::U64 => Value::U64(u64::from_le_bytes(self.array(&what())?)),
-            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(&what())?)),
-            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(&what())?)),
-            ValueType::Bool => Value::Bool(self.array::<1>(&what())?[0] != 0),
-            ValueType::String => Value::String(self.string(&what())?),
+            ValueType::U8 => Value::U8(self.array::<1>(what)?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(what)?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(what)?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(what)?)),
+            ValueType::U32 => Value::U32(u32::from_le_bytes(self.array(what)?)),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(what)?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(what)?)),
+            ValueType::U64 => Value::U64(u64::from_le_bytes(self.array(what)?)),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(what)?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(what)?)),
+            ValueType::Bool => Value::Bool(self.array::<1>(what)?[0] != 0),
+            ValueType::String => Value::String(self.string(what)?),
             ValueType::Array => {
                 let offset = self.pos as u64;
                 if depth >= MAX_NESTING {
@@ -507,14 +546,14 @@ impl<'a> Cursor<'a> {
                         max: MAX_NESTING,
                     });
                 }
-                let tag = self.u32(&what())?;
+                let tag = self.u32(what)?;
                 let elem = ValueType::from_id(tag).ok_or_else(|| GgufError::UnknownValueType {
                     key: key.to_string(),
                     offset,
                     type_id: tag,
                 })?;
                 let len_offset = self.pos as u64;
-                let len = self.u64(&what())?;
+                let len = self.u64(what)?;
                 if len.saturating_mul(elem.min_size()) > self.remaining() {
                     return Err(GgufError::LengthBeyondFile {
                         what: format!("array '{key}'"),

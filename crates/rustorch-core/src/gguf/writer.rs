@@ -58,8 +58,11 @@ impl GgufWriter {
                 "duplicate tensor name '{name}'"
             )));
         }
-        let n: u64 = dims.iter().product();
-        let expected = ty.bytes_for(n);
+        // Checked: an overflowing shape is an error here, not a panic.
+        let expected = dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .and_then(|n| ty.bytes_for(n));
         if expected != Some(data.len() as u64) {
             return Err(GgufError::InvalidWrite(format!(
                 "tensor '{name}': {} bytes given, {ty} with shape {dims:?} needs {expected:?}",
