@@ -12,7 +12,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let model = Model::load(Arc::new(GgufFile::open(&args[1])?))?;
     let n: usize = args[2].parse()?;
-    let mut tokens: Vec<u32> = args[3..].iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
+    let mut tokens: Vec<u32> = args[3..]
+        .iter()
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
     let rt = Runtime::new(2);
     let mut cache = model.new_cache(512);
     let nv = model.hparams().n_vocab;
@@ -24,7 +27,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (best, _) = logits
             .iter()
             .enumerate()
-            .fold((0, f32::NEG_INFINITY), |acc, (i, &v)| if v > acc.1 { (i, v) } else { acc });
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |acc, (i, &v)| if v > acc.1 { (i, v) } else { acc },
+            );
         gen.push(best as u32);
         let mut b = Batch::new();
         b.push(best as u32, tokens.len() as u32, 0, true);

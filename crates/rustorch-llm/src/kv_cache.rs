@@ -30,7 +30,9 @@ pub struct KvCache {
 /// Why the cache refused an operation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvCacheError {
-    #[error("context is full: {used} of {n_ctx} cells used, {needed} more needed (raise --ctx-size)")]
+    #[error(
+        "context is full: {used} of {n_ctx} cells used, {needed} more needed (raise --ctx-size)"
+    )]
     Full {
         n_ctx: usize,
         used: usize,
@@ -65,7 +67,9 @@ impl KvCache {
 
     /// Largest position stored for `seq`, if any.
     pub fn seq_pos_max(&self, seq: SeqId) -> Option<u32> {
-        self.seqs.get(&seq).and_then(|s| s.pos.iter().copied().max())
+        self.seqs
+            .get(&seq)
+            .and_then(|s| s.pos.iter().copied().max())
     }
 
     pub(crate) fn check_room(&self, needed: usize) -> Result<(), KvCacheError> {

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod kv_cache;
 pub mod model;
 pub mod sampler;
+pub mod scheduler;
 pub mod tokenizer;
 
 pub use batch::{Batch, SeqId};

@@ -1,15 +1,38 @@
 //! CPU kernels: quantized matrix multiplication and the element-wise operations of a
 //! transformer layer.
+//!
+//! [`matmul`] quantizes the activation rows once (to the weight type's vec-dot type, SIMD,
+//! same bytes as the reference quantizer), then either
+//! * runs a GEMV (few activation rows: weights are decoded on the fly from the file's blocks,
+//!   8 rows at a time), or
+//! * runs a tiled GEMM (many rows: each 16-row weight panel is unpacked once to one byte per
+//!   value and multiplied with 8 (AVX-512) or 4 (AVX2) activation rows per register tile).
+//!
+//! Both compute every output with the same integer block sums and the same float steps as the
+//! scalar reference in `dot.rs`, so results do not depend on the path, the batch size, the
+//! thread count or the instruction set (F16/F32 weights: summation order may differ from the
+//! reference, but not between paths).
 
+pub mod attn;
+mod cpu;
 mod dot;
+mod fdot;
+mod fmt;
 pub mod ops;
 mod pool;
+mod qact;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
+pub use cpu::{isa, Isa};
 pub use dot::{has_kernel, vec_dot, vec_dot_type};
+pub use fdot::{dot_f32_slices, dot_float};
 pub use pool::{physical_cores, ThreadPool};
+pub use qact::{quantize_simd, QActs};
 
 use crate::quant;
 use crate::types::GgmlType;
+use fmt::ActRow;
 
 /// A row-major weight matrix kept in its GGUF encoding: `n_rows` rows of `n_cols`
 /// elements (ggml's `ne[1]` × `ne[0]`).
@@ -39,6 +62,7 @@ impl<'a> QMatrix<'a> {
 
 /// Encodes activation rows for [`vec_dot`] against weights of type `wty`: each of the
 /// `x.len() / n_cols` rows becomes `vec_dot_type(wty)` blocks, stored back to back in `out`.
+/// (The scalar reference; [`QActs::quantize`] is the fast equivalent.)
 pub fn quantize_activations(
     wty: GgmlType,
     x: &[f32],
@@ -64,53 +88,289 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+/// Which algorithm [`matmul_with`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    /// GEMM from [`GEMM_MIN_TOKENS`] activation rows on, GEMV below.
+    Auto,
+    /// Always the row-by-row GEMV.
+    Gemv,
+    /// Always the packed GEMM (where the family has one).
+    Gemm,
+}
+
+/// From this many activation rows on, [`MatmulPath::Auto`] packs weight panels.
+pub const GEMM_MIN_TOKENS: usize = 6;
+
 /// `out[t][r] = dot(w[r], x[t])` for `n_tok = x.len() / w.n_cols` activation rows:
-/// activations are quantized once to the weight's vec-dot type, then output rows are
-/// split across the pool. `out` holds `n_tok * w.n_rows` values, token-major.
+/// activations are quantized once to the weight's vec-dot type (into `qa`), then output rows
+/// are split across the pool. `out` holds `n_tok * w.n_rows` values, token-major.
 pub fn matmul(
     pool: &ThreadPool,
     w: &QMatrix<'_>,
     x: &[f32],
     out: &mut [f32],
-    scratch: &mut Vec<u8>,
+    qa: &mut QActs,
+) -> Result<(), quant::QuantError> {
+    matmul_with(pool, isa(), MatmulPath::Auto, w, x, out, qa)
+}
+
+/// [`matmul`] with an explicit kernel family and algorithm (tests, benchmarks).
+pub fn matmul_with(
+    pool: &ThreadPool,
+    isa: Isa,
+    path: MatmulPath,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+    qa: &mut QActs,
 ) -> Result<(), quant::QuantError> {
     let n_tok = x.len() / w.n_cols;
     debug_assert_eq!(out.len(), n_tok * w.n_rows);
-    let a_row_bytes = quantize_activations(w.ty, x, w.n_cols, scratch)?;
-    let acts: &[u8] = scratch;
+    if !has_kernel(w.ty) {
+        return matmul_dequant(pool, w, x, out);
+    }
+    qa.quantize(Some(pool), isa, vec_dot_type(w.ty), x, w.n_cols)?;
+    matmul_q(pool, isa, path, w, qa, out);
+    Ok(())
+}
+
+/// The product with activations already quantized (by [`QActs::quantize`] for `w.ty`).
+pub fn matmul_q(pool: &ThreadPool, isa: Isa, path: MatmulPath, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    let n_tok = qa.n_rows;
+    assert!(out.len() >= n_tok * w.n_rows && qa.n_cols == w.n_cols);
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(f), Isa::Avx2 | Isa::Avx512) = (fmt::from_type(w.ty), isa) {
+        let gemm = match path {
+            MatmulPath::Gemm => true,
+            MatmulPath::Gemv => false,
+            MatmulPath::Auto => n_tok >= GEMM_MIN_TOKENS,
+        };
+        if gemm {
+            x86_gemm(pool, isa, f, w, qa, out);
+        } else {
+            x86_gemv(pool, isa, f, w, qa, out);
+        }
+        return;
+    }
+    let _ = path;
+    generic_matmul(pool, isa, w, qa, out);
+}
+
+fn act_row(qa: &QActs, t: usize) -> ActRow {
+    let nb = qa.nb;
+    // SAFETY (of later reads): `t < n_rows`; side arrays are empty where the format has none
+    // and then never read.
+    ActRow {
+        q: qa.data[t * qa.row_bytes..].as_ptr(),
+        d: qa.d.as_ptr().wrapping_add(t * nb),
+        s: qa.s.as_ptr().wrapping_add(t * nb),
+        isum: qa.isum.as_ptr().wrapping_add(t * nb),
+    }
+}
+
+/// Tasks for `units` units of work: a few per thread, at least `min_per` units each.
+fn split(pool: &ThreadPool, units: usize, min_per: usize) -> (usize, usize) {
+    let per = units.div_ceil(pool.n_threads() * 4).max(min_per).max(1);
+    (units.div_ceil(per), per)
+}
+
+fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    let n_rows = w.n_rows;
+    let n_tok = qa.n_rows;
+    let dst = SendPtr(out.as_mut_ptr());
+    let (n_tasks, per) = split(pool, n_rows, 16);
+    pool.run(n_tasks, &|task| {
+        let dst = dst;
+        for r in task * per..((task + 1) * per).min(n_rows) {
+            let wr = w.row(r);
+            for t in 0..n_tok {
+                let v = dot_float(isa, w.ty, w.n_cols, wr, qa.row(t));
+                // SAFETY: each (t, r) is written by exactly one task.
+                unsafe { *dst.0.add(t * n_rows + r) = v };
+            }
+        }
+    });
+}
+
+/// Weights without an integer kernel: dequantize each row, f32 dot with f32 activations.
+fn matmul_dequant(pool: &ThreadPool, w: &QMatrix<'_>, x: &[f32], out: &mut [f32]) -> Result<(), quant::QuantError> {
+    let n_tok = x.len() / w.n_cols;
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
-    let fast = has_kernel(w.ty);
-    // rows per task: enough work to amortise scheduling, several tasks per thread
-    let chunk = (n_rows / (pool.n_threads() * 8)).clamp(1, 64);
-    let n_chunks = n_rows.div_ceil(chunk);
-    pool.run(n_chunks, &|c| {
+    let (n_tasks, per) = split(pool, n_rows, 16);
+    let isa = isa();
+    pool.run(n_tasks, &|task| {
         let dst = dst;
-        let r0 = c * chunk;
-        let r1 = (r0 + chunk).min(n_rows);
-        let mut deq = if fast {
-            Vec::new()
-        } else {
-            vec![0f32; w.n_cols]
-        };
-        for r in r0..r1 {
-            let wr = w.row(r);
-            if !fast && w.dequantize_row(r, &mut deq).is_err() {
+        let mut deq = vec![0f32; w.n_cols];
+        for r in task * per..((task + 1) * per).min(n_rows) {
+            if w.dequantize_row(r, &mut deq).is_err() {
                 deq.fill(0.0);
             }
             for t in 0..n_tok {
-                let a = &acts[t * a_row_bytes..(t + 1) * a_row_bytes];
-                let v = if fast {
-                    vec_dot(w.ty, w.n_cols, wr, a)
-                } else {
-                    ops::dot_f32_bytes(&deq, a)
-                };
-                // SAFETY: each (t, r) is written by exactly one task; r < n_rows, t < n_tok.
+                let v = dot_f32_slices(isa, &deq, &x[t * w.n_cols..(t + 1) * w.n_cols]);
+                // SAFETY: each (t, r) is written by exactly one task.
                 unsafe { *dst.0.add(t * n_rows + r) = v };
             }
         }
     });
     Ok(())
+}
+
+/// Expands `$body` with `$F` bound to the const format id `$f`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_fmt {
+    ($f:expr, $F:ident => $body:expr) => {
+        match $f {
+            fmt::Q4_0 => {
+                const $F: u8 = fmt::Q4_0;
+                $body
+            }
+            fmt::Q4_1 => {
+                const $F: u8 = fmt::Q4_1;
+                $body
+            }
+            fmt::Q5_0 => {
+                const $F: u8 = fmt::Q5_0;
+                $body
+            }
+            fmt::Q5_1 => {
+                const $F: u8 = fmt::Q5_1;
+                $body
+            }
+            fmt::Q8_0 => {
+                const $F: u8 = fmt::Q8_0;
+                $body
+            }
+            fmt::IQ4_NL => {
+                const $F: u8 = fmt::IQ4_NL;
+                $body
+            }
+            fmt::Q4_K => {
+                const $F: u8 = fmt::Q4_K;
+                $body
+            }
+            fmt::Q5_K => {
+                const $F: u8 = fmt::Q5_K;
+                $body
+            }
+            _ => {
+                const $F: u8 = fmt::Q6_K;
+                $body
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
+
+#[cfg(target_arch = "x86_64")]
+fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    let kern: GemvFn = if isa == Isa::Avx512 {
+        with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::avx512::gemv_legacy::<F> })
+    } else {
+        with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::avx2::gemv_legacy::<F> })
+    };
+    let n_rows = w.n_rows;
+    let n_tok = qa.n_rows;
+    let rb = w.row_bytes();
+    let nb = w.n_cols / fmt::block_len(f);
+    let groups = n_rows.div_ceil(8);
+    let (n_tasks, per) = split(pool, groups, 2);
+    let dst = SendPtr(out.as_mut_ptr());
+    pool.run(n_tasks, &|task| {
+        let dst = dst;
+        let base = w.data.as_ptr();
+        for g in task * per..((task + 1) * per).min(groups) {
+            let r0 = 8 * g;
+            let nr = (n_rows - r0).min(8);
+            for t in 0..n_tok {
+                // SAFETY: rows r0..r0+nr exist; outputs (t, r0..r0+nr) belong to this task.
+                unsafe { kern(base.add(r0 * rb), rb, nr, nb, act_row(qa, t), dst.0.add(t * n_rows + r0)) };
+            }
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    static PANEL_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+#[cfg(target_arch = "x86_64")]
+type PackFn = unsafe fn(&[*const u8; fmt::PANEL], usize, bool, *mut u8);
+#[cfg(target_arch = "x86_64")]
+type Gemm512Fn = unsafe fn(*const u8, usize, &[ActRow; 8], &[*mut f32; 8], usize);
+#[cfg(target_arch = "x86_64")]
+type Gemm2Fn = unsafe fn(*const u8, usize, usize, &[ActRow; 4], &[*mut f32; 4], usize);
+
+#[cfg(target_arch = "x86_64")]
+fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    let pack: PackFn = with_fmt!(f, F => x86::pack_panel::<F> as PackFn);
+    let k512: Gemm512Fn = with_fmt!(f, F => if fmt::is_k(F) {
+        x86::avx512::gemm_k::<F, 8> as Gemm512Fn
+    } else {
+        x86::avx512::gemm_legacy::<F, 8>
+    });
+    let k2: Gemm2Fn = with_fmt!(f, F => if fmt::is_k(F) {
+        x86::avx2::gemm_k::<F, 4> as Gemm2Fn
+    } else {
+        x86::avx2::gemm_legacy::<F, 4>
+    });
+    let n_rows = w.n_rows;
+    let n_tok = qa.n_rows;
+    let rb = w.row_bytes();
+    let nblk = w.n_cols / fmt::block_len(f);
+    let pbytes = nblk * fmt::panel_block_bytes(f);
+    let n_panels = n_rows.div_ceil(fmt::PANEL);
+    let dst = SendPtr(out.as_mut_ptr());
+    let avx512 = isa == Isa::Avx512;
+    pool.run(n_panels, &|p| {
+        let dst = dst;
+        let base = w.data.as_ptr();
+        PANEL_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < pbytes {
+                buf.resize(pbytes, 0);
+            }
+            let r0 = p * fmt::PANEL;
+            let nvalid = (n_rows - r0).min(fmt::PANEL);
+            let rows: [*const u8; fmt::PANEL] =
+                std::array::from_fn(|i| base.wrapping_add((r0 + i).min(n_rows - 1) * rb));
+            let mut sink = [0f32; fmt::PANEL * 8];
+            let sp = sink.as_mut_ptr();
+            // SAFETY: rows exist; the panel buffer holds `pbytes`; every output pointer is
+            // either this task's (t, r0..r0+nvalid) or the local sink.
+            unsafe {
+                pack(&rows, nblk, avx512, buf.as_mut_ptr());
+                let out_ptr = |t: usize, i: usize| {
+                    if t < n_tok {
+                        dst.0.add(t * n_rows + r0)
+                    } else {
+                        sp.add(fmt::PANEL * i)
+                    }
+                };
+                if avx512 {
+                    for t0 in (0..n_tok).step_by(8) {
+                        let acts: [ActRow; 8] = std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
+                        let outs: [*mut f32; 8] = std::array::from_fn(|i| out_ptr(t0 + i, i));
+                        k512(buf.as_ptr(), nblk, &acts, &outs, nvalid);
+                    }
+                } else {
+                    for t0 in (0..n_tok).step_by(4) {
+                        let acts: [ActRow; 4] = std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
+                        let outs: [*mut f32; 4] = std::array::from_fn(|i| out_ptr(t0 + i, i));
+                        k2(buf.as_ptr(), 0, nblk, &acts, &outs, nvalid.min(8));
+                        if nvalid > 8 {
+                            let outs_hi: [*mut f32; 4] = std::array::from_fn(|i| outs[i].add(8));
+                            k2(buf.as_ptr(), 1, nblk, &acts, &outs_hi, nvalid - 8);
+                        }
+                    }
+                }
+            }
+        });
+    });
 }
 
 /// The slow reference: dequantize every weight row to f32 and take plain f32 dot

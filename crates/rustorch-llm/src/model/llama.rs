@@ -15,9 +15,9 @@
 //! logits = rms_norm(x) * output_norm · Woutᵀ            Wout may be tied to the embedding
 //! ```
 
+use rustorch_core::kernels::attn::{attend_head, HeadAttn};
 use rustorch_core::kernels::ops::{rms_norm, swiglu};
-use rustorch_core::kernels::{matmul, matmul_reference};
-use rustorch_core::quant::{f16_to_f32, f32_to_f16};
+use rustorch_core::kernels::{matmul, matmul_reference, QActs};
 
 use super::{Arch, ForwardOutput, HParams, LayerStat, Loader, ModelError, Runtime, Weight};
 use crate::batch::Batch;
@@ -104,8 +104,8 @@ impl Llama {
     ) -> Result<ForwardOutput, ModelError> {
         let n = batch.len();
         let (e, qd, kvd, hd) = (hp.n_embd, hp.q_dim(), hp.kv_dim(), hp.head_dim);
-        let mut scratch = Vec::new();
-        let mm = |w: &Weight, x: &[f32], out: &mut [f32], scratch: &mut Vec<u8>| {
+        let mut scratch = QActs::new();
+        let mm = |w: &Weight, x: &[f32], out: &mut [f32], scratch: &mut QActs| {
             let m = w.view(bytes);
             if rt.reference {
                 matmul_reference(&m, x, out)
@@ -149,6 +149,12 @@ impl Llama {
         let mut gate = vec![0f32; n * hp.n_ff];
         let mut up = vec![0f32; n * hp.n_ff];
         let mut stats = Vec::new();
+        let hook = |name: &str, il: usize, x: &[f32]| {
+            if let Some(h) = rt.tensor_hook.as_ref() {
+                h(name, il, x);
+            }
+        };
+        hook("embd", 0, &x);
 
         for (il, layer) in self.layers.iter().enumerate() {
             // h = rms_norm(x) * attn_norm
@@ -156,6 +162,7 @@ impl Llama {
             for row in h.chunks_exact_mut(e) {
                 rms_norm(row, &layer.attn_norm, hp.rms_eps);
             }
+            hook("attn_norm", il, &h);
             // q, k, v projections (+ bias)
             mm(&layer.wq, &h, &mut q, &mut scratch)?;
             mm(&layer.wk, &h, &mut k, &mut scratch)?;
@@ -163,6 +170,9 @@ impl Llama {
             add_bias(&mut q, layer.bq.as_deref());
             add_bias(&mut k, layer.bk.as_deref());
             add_bias(&mut v, layer.bv.as_deref());
+            hook("Qcur", il, &q);
+            hook("Kcur", il, &k);
+            hook("Vcur", il, &v);
             // rotate q and k by each token's own position
             for i in 0..n {
                 let (c, s) = (
@@ -176,6 +186,8 @@ impl Llama {
                     hp.rope.apply(head, c, s);
                 }
             }
+            hook("Qcur_rope", il, &q);
+            hook("Kcur_rope", il, &k);
             // store k, v in the cache, then attend
             for i in 0..n {
                 cache.write(
@@ -187,20 +199,29 @@ impl Llama {
                 );
             }
             attention(hp, il, batch, cache, &q, &mut attn, rt);
+            hook("kqv_out", il, &attn);
             // x = x + attn·Wo
             mm(&layer.wo, &attn, &mut proj, &mut scratch)?;
+            hook("attn_out", il, &proj);
             add_into(&mut x, &proj);
+            hook("ffn_inp", il, &x);
 
             // feed-forward: x = x + (silu(h·Wgate) ⊙ h·Wup)·Wdown
             h.copy_from_slice(&x);
             for row in h.chunks_exact_mut(e) {
                 rms_norm(row, &layer.ffn_norm, hp.rms_eps);
             }
+            hook("ffn_norm", il, &h);
             mm(&layer.w_gate, &h, &mut gate, &mut scratch)?;
             mm(&layer.w_up, &h, &mut up, &mut scratch)?;
+            hook("ffn_gate", il, &gate);
+            hook("ffn_up", il, &up);
             swiglu(&mut gate, &up);
+            hook("ffn_swiglu", il, &gate);
             mm(&layer.w_down, &gate, &mut proj, &mut scratch)?;
+            hook("ffn_out", il, &proj);
             add_into(&mut x, &proj);
+            hook("l_out", il, &x);
 
             if rt.dump_layers {
                 for (i, row) in x.chunks_exact(e).enumerate() {
@@ -283,60 +304,28 @@ fn attention(
     let scale = 1.0 / (hd as f32).sqrt();
     let n_tasks = batch.len() * hp.n_head;
     let dst = SendPtr(out.as_mut_ptr());
+    let isa = rustorch_core::kernels::isa();
     rt.pool.run(n_tasks, &|task| {
         let dst = dst;
         let (i, head) = (task / hp.n_head, task % hp.n_head);
         let kvh = head / group;
-        let pos = batch.positions[i];
         let o = i * qd + head * hd;
         // SAFETY: each task owns out[o..o+hd]; tasks are disjoint.
         let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
-        out_head.fill(0.0);
         let Some(cells) = cache.seq(batch.seq_ids[i]) else {
+            out_head.fill(0.0);
             return;
         };
-        let qh: Vec<f32> = q[o..o + hd]
-            .iter()
-            .map(|&x| f16_to_f32(f32_to_f16(x)))
-            .collect();
-        let kl = &cells.k[layer];
-        let vl = &cells.v[layer];
-        let mut acc = vec![0u16; hd]; // f16 accumulator of the weighted values
-        let mut m = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        for (c, &p) in cells.pos.iter().enumerate() {
-            if p > pos {
-                continue;
-            }
-            let base = c * kvd + kvh * hd;
-            let kr = &kl[base..base + hd];
-            let mut s = 0f32;
-            for (a, b) in qh.iter().zip(kr) {
-                s += a * f16_to_f32(*b);
-            }
-            let s = s * scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > m {
-                ms = (m - s).exp();
-                m = s;
-                for a in acc.iter_mut() {
-                    *a = f32_to_f16(f16_to_f32(*a) * ms);
-                }
-            } else {
-                vs = (s - m).exp();
-            }
-            for (a, b) in acc.iter_mut().zip(&vl[base..base + hd]) {
-                *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
-            }
-            sum = sum * ms + vs;
-        }
-        if sum == 0.0 {
-            return;
-        }
-        let inv = 1.0 / sum;
-        for (o, a) in out_head.iter_mut().zip(&acc) {
-            *o = f16_to_f32(*a) * inv;
-        }
+        let head_attn = HeadAttn {
+            q: &q[o..o + hd],
+            k: &cells.k[layer],
+            v: &cells.v[layer],
+            stride: kvd,
+            offset: kvh * hd,
+            pos: &cells.pos,
+            max_pos: batch.positions[i],
+            scale,
+        };
+        attend_head(isa, &head_attn, out_head);
     });
 }

@@ -313,7 +313,13 @@ pub struct Runtime {
     pub reference: bool,
     /// Record per-layer residual statistics.
     pub dump_layers: bool,
+    /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph,
+    /// for comparing intermediate tensors with llama.cpp's `llama-eval-callback`.
+    pub tensor_hook: Option<TensorHook>,
 }
+
+/// See [`Runtime::tensor_hook`].
+pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
 
 impl Runtime {
     pub fn new(n_threads: usize) -> Self {
@@ -321,6 +327,7 @@ impl Runtime {
             pool: ThreadPool::new(n_threads),
             reference: false,
             dump_layers: false,
+            tensor_hook: None,
         }
     }
 }

@@ -1,0 +1,292 @@
+//! One query head attending over f16 key/value rows, the way llama.cpp's CPU flash
+//! attention does it: the query is rounded to f16, scores are f32 dot products with the f16
+//! keys, the softmax is online (running max `m`, running sum `s`), and the weighted sum of
+//! values is kept in an f16 accumulator that is rounded after every update and rescaled
+//! when a new maximum appears.
+//!
+//! The SIMD versions convert with F16C (`vcvtph2ps` / `vcvtps2ph`, round to nearest even),
+//! which gives the same bits as the software conversions for every finite value, and perform
+//! the same f32 multiplications and additions per element; only the key dot product's
+//! summation order differs from the scalar reference.
+
+use super::cpu::Isa;
+use crate::quant::{f16_to_f32, f32_to_f16};
+
+/// Attention inputs for one query head.
+#[derive(Clone, Copy)]
+pub struct HeadAttn<'a> {
+    /// The query head (`hd` values, not yet rounded).
+    pub q: &'a [f32],
+    /// Key rows, f16 bits; row `c` of this head starts at `c * stride + offset`.
+    pub k: &'a [u16],
+    /// Value rows, same layout as `k`.
+    pub v: &'a [u16],
+    pub stride: usize,
+    pub offset: usize,
+    /// Position of each cell; cells with position above `max_pos` are skipped (causal mask).
+    pub pos: &'a [u32],
+    pub max_pos: u32,
+    /// Score scale (1 / sqrt(head_dim)).
+    pub scale: f32,
+}
+
+/// Writes the attention output of one head to `out` (`q.len()` values; zeros when no cell
+/// is visible).
+pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    debug_assert_eq!(out.len(), hd);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512 && hd % 16 == 0 && hd <= 256 {
+            // SAFETY: the family was detected; slices are bounds-checked per row inside.
+            return unsafe { x86::attend_avx512(h, out) };
+        }
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) && hd % 8 == 0 && hd <= 256 {
+            // SAFETY: as above.
+            return unsafe { x86::attend_avx2(h, out) };
+        }
+    }
+    let _ = isa;
+    attend_scalar(h, out)
+}
+
+/// The scalar reference.
+pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    out.fill(0.0);
+    let mut qh = [0f32; 256];
+    let mut acc = [0u16; 256];
+    if hd > 256 {
+        return attend_scalar_large(h, out);
+    }
+    let (qh, acc) = (&mut qh[..hd], &mut acc[..hd]);
+    for (d, &x) in qh.iter_mut().zip(h.q) {
+        *d = f16_to_f32(f32_to_f16(x));
+    }
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (c, &p) in h.pos.iter().enumerate() {
+        if p > h.max_pos {
+            continue;
+        }
+        let base = c * h.stride + h.offset;
+        let kr = &h.k[base..base + hd];
+        let mut s = 0f32;
+        for (a, b) in qh.iter().zip(kr) {
+            s += a * f16_to_f32(*b);
+        }
+        let s = s * h.scale;
+        let mut ms = 1.0f32;
+        let mut vs = 1.0f32;
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            for a in acc.iter_mut() {
+                *a = f32_to_f16(f16_to_f32(*a) * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
+            *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
+        }
+        sum = sum * ms + vs;
+    }
+    if sum == 0.0 {
+        return;
+    }
+    let inv = 1.0 / sum;
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        *o = f16_to_f32(*a) * inv;
+    }
+}
+
+fn attend_scalar_large(h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    let qh: Vec<f32> = h.q.iter().map(|&x| f16_to_f32(f32_to_f16(x))).collect();
+    let mut acc = vec![0u16; hd];
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (c, &p) in h.pos.iter().enumerate() {
+        if p > h.max_pos {
+            continue;
+        }
+        let base = c * h.stride + h.offset;
+        let mut s = 0f32;
+        for (a, b) in qh.iter().zip(&h.k[base..base + hd]) {
+            s += a * f16_to_f32(*b);
+        }
+        let s = s * h.scale;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            for a in acc.iter_mut() {
+                *a = f32_to_f16(f16_to_f32(*a) * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
+            *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
+        }
+        sum = sum * ms + vs;
+    }
+    out.fill(0.0);
+    if sum == 0.0 {
+        return;
+    }
+    let inv = 1.0 / sum;
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = f16_to_f32(*a) * inv;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::HeadAttn;
+    use std::arch::x86_64::*;
+
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_avx512(h: &HeadAttn<'_>, out: &mut [f32]) {
+        let hd = h.q.len();
+        let nv = hd / 16;
+        let zero = _mm512_setzero_ps();
+        // query rounded to f16; accumulator values are f16 numbers held as f32
+        let mut q = [zero; 16];
+        let mut acc = [zero; 16];
+        for i in 0..nv {
+            let x = _mm512_loadu_ps(h.q.as_ptr().add(16 * i));
+            q[i] = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x));
+        }
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
+        for (c, &p) in h.pos.iter().enumerate() {
+            if p > h.max_pos {
+                continue;
+            }
+            let base = c * h.stride + h.offset;
+            assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+            let mut s0 = zero;
+            let mut s1 = zero;
+            let mut i = 0;
+            while i + 1 < nv {
+                let k0 = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
+                let k1 = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i + 16) as *const __m256i));
+                s0 = _mm512_fmadd_ps(q[i], k0, s0);
+                s1 = _mm512_fmadd_ps(q[i + 1], k1, s1);
+                i += 2;
+            }
+            if i < nv {
+                let k0 = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
+                s0 = _mm512_fmadd_ps(q[i], k0, s0);
+            }
+            let s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+                let msv = _mm512_set1_ps(ms);
+                for a in acc.iter_mut().take(nv) {
+                    *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*a, msv)));
+                }
+            } else {
+                vs = (s - m).exp();
+            }
+            let vsv = _mm512_set1_ps(vs);
+            for (i, a) in acc.iter_mut().enumerate().take(nv) {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(vp.add(base + 16 * i) as *const __m256i));
+                let t = _mm512_add_ps(*a, _mm512_mul_ps(v, vsv));
+                *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+            }
+            sum = sum * ms + vs;
+        }
+        if sum == 0.0 {
+            out.fill(0.0);
+            return;
+        }
+        let inv = _mm512_set1_ps(1.0 / sum);
+        for (i, a) in acc.iter().enumerate().take(nv) {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, inv));
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_avx2(h: &HeadAttn<'_>, out: &mut [f32]) {
+        let hd = h.q.len();
+        let nv = hd / 8;
+        let mut q = [0f32; 256];
+        let mut acc = [0f32; 256];
+        for i in 0..nv {
+            let x = _mm256_loadu_ps(h.q.as_ptr().add(8 * i));
+            _mm256_storeu_ps(q.as_mut_ptr().add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(x)));
+        }
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
+        let (qp, ap) = (q.as_ptr(), acc.as_mut_ptr());
+        for (c, &p) in h.pos.iter().enumerate() {
+            if p > h.max_pos {
+                continue;
+            }
+            let base = c * h.stride + h.offset;
+            assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+            let mut s0 = _mm256_setzero_ps();
+            let mut s1 = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 1 < nv {
+                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
+                let k1 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i + 8) as *const __m128i));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i + 8)), k1, s1);
+                i += 2;
+            }
+            if i < nv {
+                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
+            }
+            let s = hsum(_mm256_add_ps(s0, s1)) * h.scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+                let msv = _mm256_set1_ps(ms);
+                for i in 0..nv {
+                    let a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), msv);
+                    _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(a)));
+                }
+            } else {
+                vs = (s - m).exp();
+            }
+            let vsv = _mm256_set1_ps(vs);
+            for i in 0..nv {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(base + 8 * i) as *const __m128i));
+                let t = _mm256_add_ps(_mm256_loadu_ps(ap.add(8 * i)), _mm256_mul_ps(v, vsv));
+                _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(t)));
+            }
+            sum = sum * ms + vs;
+        }
+        if sum == 0.0 {
+            out.fill(0.0);
+            return;
+        }
+        let inv = _mm256_set1_ps(1.0 / sum);
+        for i in 0..nv {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), inv));
+        }
+    }
+}

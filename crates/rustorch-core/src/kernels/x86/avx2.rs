@@ -1,0 +1,379 @@
+//! AVX2 (+FMA, F16C) kernels: the same algorithms as `avx512.rs` on 8-lane vectors.
+//!
+//! `vpmaddubsw` + `vpmaddwd` stand in for `vpdpbusd`. Their 16-bit intermediate saturates
+//! only if both bytes of a pair are extreme; unsigned values stay below 64 here, and signed
+//! formats (Q8_0, IQ4_NL) use the sign trick (`|w| · sign(a, w)`), exact for activation
+//! quants in `-127..=127` (which every Q8 quantizer produces).
+
+use std::arch::x86_64::*;
+
+use super::{rd_i32, rd_u16, rd_u32, unpack_legacy};
+use crate::kernels::fmt::*;
+
+/// Folds 8 vectors of 8 lane sums into one vector of 8 row sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn reduce8(v: &[__m256i; 8]) -> __m256i {
+    let t0 = _mm256_hadd_epi32(v[0], v[1]);
+    let t1 = _mm256_hadd_epi32(v[2], v[3]);
+    let t2 = _mm256_hadd_epi32(v[4], v[5]);
+    let t3 = _mm256_hadd_epi32(v[6], v[7]);
+    let u0 = _mm256_hadd_epi32(t0, t1);
+    let u1 = _mm256_hadd_epi32(t2, t3);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(u0, u1),
+        _mm256_permute2x128_si256::<0x31>(u0, u1),
+    )
+}
+
+/// The 16-bit halves (`HI`: upper) of 8 dwords, as f16 converted to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_to_f32<const HI: bool>(v: __m256i) -> __m256 {
+    let s = if HI {
+        _mm256_setr_epi8(
+            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1,
+            -1, -1, -1, -1,
+        )
+    } else {
+        _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1,
+            -1, -1, -1,
+        )
+    };
+    let x = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_shuffle_epi8(v, s));
+    _mm256_cvtph_ps(_mm256_castsi256_si128(x))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16(h: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// `u8 × i8` products of 32 byte pairs summed in fours (the `vpdpbusd` lane sums).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4<const SIGNED: bool>(w: __m256i, a: __m256i) -> __m256i {
+    let p = if SIGNED {
+        _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w))
+    } else {
+        _mm256_maddubs_epi16(w, a)
+    };
+    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+}
+
+/// `out[r] = dot(row r, a)` for `nrows` (1..=8) rows of legacy format `F`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+    let bs = block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let mut rp = [w; 8];
+    let mut offs = [0i32; 8];
+    for r in 0..8 {
+        let rr = r.min(nrows - 1);
+        rp[r] = w.add(rr * rb);
+        offs[r] = (rr * rb) as i32;
+    }
+    let idx = _mm256_loadu_si256(offs.as_ptr() as *const __m256i);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let av = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
+        let mut v = [_mm256_setzero_si256(); 8];
+        for r in 0..8 {
+            let u = unpack_legacy::<F>(rp[r].add(b * bs));
+            v[r] = if signed(F) { dot4::<true>(u, av) } else { dot4::<false>(u, av) };
+        }
+        let mut sumi = reduce8(&v);
+        if offset(F) != 0 {
+            sumi = _mm256_sub_epi32(sumi, _mm256_set1_epi32(offset(F) * *a.isum.add(b)));
+        }
+        let sf = _mm256_cvtepi32_ps(sumi);
+        let sc = _mm256_i32gather_epi32::<1>(w.add(b * bs) as *const i32, idx);
+        let dw = half_to_f32::<false>(sc);
+        let da = _mm256_set1_ps(*a.d.add(b));
+        let t = match kind(F) {
+            KIND_A => _mm256_mul_ps(_mm256_mul_ps(sf, dw), da),
+            KIND_B => _mm256_mul_ps(sf, _mm256_mul_ps(dw, da)),
+            _ => {
+                let mw = half_to_f32::<true>(sc);
+                let sa = _mm256_set1_ps(*a.s.add(b));
+                _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(dw, da), sf), _mm256_mul_ps(mw, sa))
+            }
+        };
+        acc = _mm256_add_ps(acc, t);
+    }
+    let mut tmp = [0f32; 8];
+    _mm256_storeu_ps(tmp.as_mut_ptr(), acc);
+    std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nrows);
+}
+
+/// Q4_K/Q5_K scales and mins as bytes `sc0..7, m0..7`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_scales(p: *const u8) -> [u8; 16] {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let mut u = [rd_u32(p), rd_u32(p.add(4)), rd_u32(p.add(8)), 0];
+    u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
+    let uaux = u[1] & KMASK1;
+    u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
+    u[2] = uaux;
+    u[0] &= KMASK1;
+    std::mem::transmute::<[u32; 4], [u8; 16]>(u)
+}
+
+/// `out[r] = dot(row r, a)` for `nrows` rows of K-quant format `F`.
+///
+/// # Safety
+/// As [`gemv_legacy`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+    let bs = block_bytes(F);
+    let m4 = _mm256_set1_epi8(0x0f);
+    let one = _mm256_set1_epi8(1);
+    for r in 0..nrows {
+        let row = w.add(r * rb);
+        let mut sum = 0f32;
+        for sb in 0..nb {
+            let x = row.add(sb * bs);
+            let y = a.q.add(sb * 292);
+            let yd = *a.d.add(sb);
+            let mut acc = _mm256_setzero_si256();
+            if F == Q6_K {
+                let sc = std::slice::from_raw_parts(x.add(192), 16);
+                for h in 0..2 {
+                    let l0 = _mm256_loadu_si256(x.add(64 * h) as *const __m256i);
+                    let l1 = _mm256_loadu_si256(x.add(64 * h + 32) as *const __m256i);
+                    let hb = _mm256_loadu_si256(x.add(128 + 32 * h) as *const __m256i);
+                    let v = [
+                        _mm256_or_si256(
+                            _mm256_and_si256(l0, m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(hb, _mm256_set1_epi8(0x03))),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(l1, m4),
+                            _mm256_slli_epi16::<2>(_mm256_and_si256(hb, _mm256_set1_epi8(0x0c))),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
+                            _mm256_and_si256(hb, _mm256_set1_epi8(0x30)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
+                            _mm256_srli_epi16::<2>(_mm256_and_si256(hb, _mm256_set1_epi8(-64))),
+                        ),
+                    ];
+                    for (i, vi) in v.iter().enumerate() {
+                        let ai = _mm256_loadu_si256(y.add(4 + 128 * h + 32 * i) as *const __m256i);
+                        let p = _mm256_maddubs_epi16(*vi, ai);
+                        let g = 8 * h + 2 * i;
+                        let scv = _mm256_set_m128i(
+                            _mm_set1_epi16(sc[g + 1] as i8 as i16),
+                            _mm_set1_epi16(sc[g] as i8 as i16),
+                        );
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scv));
+                    }
+                }
+                let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+                let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.add(260) as *const __m256i));
+                acc = _mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr));
+                let d = yd * f16(rd_u16(x.add(208)));
+                sum += d * hsum(acc) as f32;
+            } else {
+                let ms = k4_scales(x.add(4));
+                let qs = x.add(if F == Q4_K { 16 } else { 48 });
+                let hq = if F == Q5_K {
+                    _mm256_loadu_si256(x.add(16) as *const __m256i)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for j in 0..4 {
+                    let q = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+                    let mut lo = _mm256_and_si256(q, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                    if F == Q5_K {
+                        let h0 = _mm256_and_si256(_mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j as i32)), one);
+                        let h1 = _mm256_and_si256(_mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j as i32 + 1)), one);
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(h0));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(h1));
+                    }
+                    let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(y.add(4 + 64 * j) as *const __m256i));
+                    let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(y.add(36 + 64 * j) as *const __m256i));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(ms[2 * j] as i16)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(ms[2 * j + 1] as i16)));
+                }
+                let bl = _mm_loadu_si128(y.add(260) as *const __m128i);
+                let bh = _mm_loadu_si128(y.add(276) as *const __m128i);
+                let pairs = _mm_hadd_epi16(bl, bh);
+                let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(ms.as_ptr().add(8) as *const __m128i));
+                let pm = _mm_madd_epi16(mins, pairs);
+                let pm = _mm_add_epi32(pm, _mm_unpackhi_epi64(pm, pm));
+                let pm = _mm_add_epi32(pm, _mm_shuffle_epi32::<0b10_11_00_01>(pm));
+                let summs = _mm_cvtsi128_si32(pm);
+                let d = yd * f16(rd_u16(x));
+                let dmin = yd * f16(rd_u16(x.add(2)));
+                sum += d * hsum(acc) as f32 - dmin * summs as f32;
+            }
+        }
+        *out.add(r) = sum;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_rows(out: *mut f32, v: __m256, nvalid: usize) {
+    if nvalid >= 8 {
+        _mm256_storeu_ps(out, v);
+    } else {
+        let mut tmp = [0f32; 8];
+        _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+        std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nvalid);
+    }
+}
+
+/// One GEMM tile: rows `8 * half .. 8 * half + 8` of a packed 16-row panel (legacy format
+/// `F`, signed formats kept signed) times `T` activation rows.
+///
+/// # Safety
+/// As [`gemv_legacy`]; `panel` holds `nb * panel_block_bytes(F)` bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
+    panel: *const u8,
+    half: usize,
+    nb: usize,
+    a: &[ActRow; T],
+    out: &[*mut f32; T],
+    nvalid: usize,
+) {
+    let pbb = panel_block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let ho = 32 * half;
+    let ones = _mm256_set1_epi16(1);
+    let mut accf = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let pb = panel.add(b * pbb);
+        let mut acci = [_mm256_setzero_si256(); T];
+        for q in 0..8 {
+            let wv = _mm256_loadu_si256(pb.add(64 * q + ho) as *const __m256i);
+            if signed(F) {
+                let wa = _mm256_abs_epi8(wv);
+                for t in 0..T {
+                    let av = _mm256_set1_epi32(rd_i32(a[t].q.add(b * abs + aqo + 4 * q)));
+                    let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(av, wv));
+                    acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(p, ones));
+                }
+            } else {
+                for t in 0..T {
+                    let av = _mm256_set1_epi32(rd_i32(a[t].q.add(b * abs + aqo + 4 * q)));
+                    let p = _mm256_maddubs_epi16(wv, av);
+                    acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        let dw = _mm256_loadu_ps(pb.add(512 + ho) as *const f32);
+        for t in 0..T {
+            let mut si = acci[t];
+            if offset(F) != 0 {
+                si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset(F) * *a[t].isum.add(b)));
+            }
+            let sf = _mm256_cvtepi32_ps(si);
+            let da = _mm256_set1_ps(*a[t].d.add(b));
+            let term = match kind(F) {
+                KIND_A => _mm256_mul_ps(_mm256_mul_ps(sf, dw), da),
+                KIND_B => _mm256_mul_ps(sf, _mm256_mul_ps(dw, da)),
+                _ => {
+                    let mw = _mm256_loadu_ps(pb.add(576 + ho) as *const f32);
+                    let sa = _mm256_set1_ps(*a[t].s.add(b));
+                    _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(dw, da), sf), _mm256_mul_ps(mw, sa))
+                }
+            };
+            accf[t] = _mm256_add_ps(accf[t], term);
+        }
+    }
+    for t in 0..T {
+        store_rows(out[t], accf[t], nvalid);
+    }
+}
+
+/// One GEMM tile for the K-quants (8 rows of a packed panel).
+///
+/// # Safety
+/// As [`gemm_legacy`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
+    panel: *const u8,
+    half: usize,
+    nb: usize,
+    a: &[ActRow; T],
+    out: &[*mut f32; T],
+    nvalid: usize,
+) {
+    let pbb = panel_block_bytes(F);
+    let (ng, qpg) = if F == Q6_K { (16, 4) } else { (8, 8) };
+    let base2 = if F == Q6_K { 5120 } else { 4608 };
+    let ho = 32 * half;
+    let ones = _mm256_set1_epi16(1);
+    let zero = _mm256_setzero_si256();
+    let mut accf = [_mm256_setzero_ps(); T];
+    for sb in 0..nb {
+        let pb = panel.add(sb * pbb);
+        let ao = sb * 292;
+        let mut sumi = [zero; T];
+        for g in 0..ng {
+            let mut s = [zero; T];
+            for qq in 0..qpg {
+                let q = g * qpg + qq;
+                let wv = _mm256_loadu_si256(pb.add(64 * q + ho) as *const __m256i);
+                for t in 0..T {
+                    let av = _mm256_set1_epi32(rd_i32(a[t].q.add(ao + 4 + 4 * q)));
+                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, av), ones));
+                }
+            }
+            let scv = _mm256_loadu_si256(pb.add(4096 + 64 * g + ho) as *const __m256i);
+            for t in 0..T {
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_mullo_epi32(s[t], scv));
+            }
+        }
+        let mut s2 = [zero; T];
+        for k in 0..8 {
+            let v = _mm256_loadu_si256(pb.add(base2 + 64 * k + ho) as *const __m256i);
+            for t in 0..T {
+                let bv = _mm256_set1_epi32(rd_i32(a[t].q.add(ao + 260 + 4 * k)));
+                s2[t] = _mm256_add_epi32(s2[t], _mm256_madd_epi16(v, bv));
+            }
+        }
+        for t in 0..T {
+            let yd = _mm256_set1_ps(*a[t].d.add(sb));
+            if F == Q6_K {
+                let si = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32::<5>(s2[t]));
+                let d = _mm256_mul_ps(_mm256_loadu_ps(pb.add(5632 + ho) as *const f32), yd);
+                accf[t] = _mm256_add_ps(accf[t], _mm256_mul_ps(d, _mm256_cvtepi32_ps(si)));
+            } else {
+                let d = _mm256_mul_ps(_mm256_loadu_ps(pb.add(5120 + ho) as *const f32), yd);
+                let dmin = _mm256_mul_ps(_mm256_loadu_ps(pb.add(5184 + ho) as *const f32), yd);
+                let term = _mm256_sub_ps(
+                    _mm256_mul_ps(d, _mm256_cvtepi32_ps(sumi[t])),
+                    _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(s2[t])),
+                );
+                accf[t] = _mm256_add_ps(accf[t], term);
+            }
+        }
+    }
+    for t in 0..T {
+        store_rows(out[t], accf[t], nvalid);
+    }
+}

@@ -1,0 +1,431 @@
+//! AVX-512 (F/BW/VL + VNNI) kernels.
+//!
+//! * GEMV (one activation row against up to 8 weight rows): legacy 32-blocks are taken two
+//!   at a time per row in one zmm, multiplied with `vpdpbusd`, and the 8 rows' lane sums are
+//!   folded by a permute tree into one vector whose lanes are (block, row), so the float steps
+//!   run on 16 (row, block) terms at once, in the reference order. K-quants go row by row
+//!   (`vpmaddubsw` + `vpdpwssd` with the sub-block scales, one reduction per super-block).
+//! * GEMM: 16-row panels packed by `x86::pack_panel` (one byte per value, `[quad][row][4]`)
+//!   against 8 activation rows at a time: every `vpdpbusd` is one 4-byte activation broadcast
+//!   times 16 rows, lanes are rows, so no horizontal sums at all.
+//!
+//! Values that are signed (Q8_0, IQ4_NL) are biased by +128 so that `vpdpbusd`'s unsigned
+//! operand can take them; the bias is removed exactly with the activation block's quant sum.
+
+use std::arch::x86_64::*;
+
+use super::{iq4nl_table, rd_i32, rd_u16, rd_u32};
+use crate::kernels::fmt::*;
+
+/// Zero point of the unpacked bytes as this family stores them.
+const fn off512(f: u8) -> i32 {
+    if signed(f) {
+        128
+    } else {
+        offset(f)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn quarters(p0: *const u8, p1: *const u8, p2: *const u8, p3: *const u8) -> __m512i {
+    let z = _mm512_castsi128_si512(_mm_loadu_si128(p0 as *const __m128i));
+    let z = _mm512_inserti32x4::<1>(z, _mm_loadu_si128(p1 as *const __m128i));
+    let z = _mm512_inserti32x4::<2>(z, _mm_loadu_si128(p2 as *const __m128i));
+    _mm512_inserti32x4::<3>(z, _mm_loadu_si128(p3 as *const __m128i))
+}
+
+/// Blocks `p0` and `p1` of a legacy format as 64 unsigned bytes in quarter order
+/// `[b0 0..16, b1 0..16, b0 16..32, b1 16..32]` (the order [`quarters`] gives activations).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
+    if F == Q8_0 {
+        return _mm512_xor_si512(
+            quarters(p0.add(2), p1.add(2), p0.add(18), p1.add(18)),
+            _mm512_set1_epi8(-128),
+        );
+    }
+    let q = qs_off(F);
+    let y = _mm256_inserti128_si256::<1>(
+        _mm256_castsi128_si256(_mm_loadu_si128(p0.add(q) as *const __m128i)),
+        _mm_loadu_si128(p1.add(q) as *const __m128i),
+    );
+    let z = _mm512_and_si512(
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y)),
+        _mm512_set1_epi8(0x0f),
+    );
+    match F {
+        IQ4_NL => {
+            let t = _mm_xor_si128(iq4nl_table(), _mm_set1_epi8(-128));
+            _mm512_shuffle_epi8(_mm512_broadcast_i32x4(t), z)
+        }
+        Q5_0 | Q5_1 => {
+            let h0 = rd_u32(p0.add(qh_off(F))) as u64;
+            let h1 = rd_u32(p1.add(qh_off(F))) as u64;
+            let m = (h0 & 0xffff) | ((h1 & 0xffff) << 16) | ((h0 >> 16) << 32) | ((h1 >> 16) << 48);
+            _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(0x10))
+        }
+        _ => z,
+    }
+}
+
+/// Folds 8 vectors of 16 lane sums (lane groups: lanes `0..4, 8..12` belong to the first
+/// block, `4..8, 12..16` to the second) into one vector with lane `g * 8 + r` = the sum of
+/// row `r`'s group `g`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn reduce8(z: &[__m512i; 8]) -> __m512i {
+    let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let pair = |a: __m512i, b: __m512i| {
+        _mm512_add_epi32(_mm512_permutex2var_epi32(a, e, b), _mm512_permutex2var_epi32(a, o, b))
+    };
+    let y0 = pair(z[0], z[1]);
+    let y1 = pair(z[2], z[3]);
+    let y2 = pair(z[4], z[5]);
+    let y3 = pair(z[6], z[7]);
+    let x0 = pair(y0, y1);
+    let x1 = pair(y2, y3);
+    let a = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    let b = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    _mm512_add_epi32(_mm512_permutex2var_epi32(x0, a, x1), _mm512_permutex2var_epi32(x0, b, x1))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn two_ps(a: f32, b: f32) -> __m512 {
+    _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn hi256(v: __m512) -> __m256 {
+    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+}
+
+/// `out[r] = dot(row r, a)` for `nrows` (1..=8) rows of legacy format `F` starting at `w`,
+/// `rb` bytes apart, each `nb` blocks long.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI must be available; pointers must cover the stated sizes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+    let bs = block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let off = off512(F);
+    let mut rp = [w; 8];
+    let mut offs = [0i32; 16];
+    for r in 0..8 {
+        let rr = r.min(nrows - 1);
+        rp[r] = w.add(rr * rb);
+        offs[r] = (rr * rb) as i32;
+        offs[8 + r] = (rr * rb + bs) as i32;
+    }
+    let idx_pair = _mm512_loadu_si512(offs.as_ptr() as *const __m512i);
+    let idx_one = _mm512_mask_blend_epi32(0xff00, idx_pair, _mm512_sub_epi32(idx_pair, _mm512_set1_epi32(bs as i32)));
+    let mut acc = _mm256_setzero_ps();
+    let mut b = 0;
+    while b < nb {
+        let pair = b + 1 < nb;
+        let b1 = if pair { b + 1 } else { b };
+        let pa0 = a.q.add(b * abs + aqo);
+        let pa1 = a.q.add(b1 * abs + aqo);
+        let av = quarters(pa0, pa1, pa0.add(16), pa1.add(16));
+        let zero = _mm512_setzero_si512();
+        let mut z = [zero; 8];
+        for r in 0..8 {
+            let wz = unpack2::<F>(rp[r].add(b * bs), rp[r].add(b1 * bs));
+            z[r] = _mm512_dpbusd_epi32(zero, wz, av);
+        }
+        let mut sumi = reduce8(&z);
+        if off != 0 {
+            let c0 = off * *a.isum.add(b);
+            let c1 = off * *a.isum.add(b1);
+            sumi = _mm512_sub_epi32(
+                sumi,
+                _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(c0), _mm512_set1_epi32(c1)),
+            );
+        }
+        let sf = _mm512_cvtepi32_ps(sumi);
+        let sc = _mm512_i32gather_epi32::<1>(if pair { idx_pair } else { idx_one }, w.add(b * bs) as *const i32);
+        let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sc));
+        let da = two_ps(*a.d.add(b), *a.d.add(b1));
+        let t = match kind(F) {
+            KIND_A => _mm512_mul_ps(_mm512_mul_ps(sf, dw), da),
+            KIND_B => _mm512_mul_ps(sf, _mm512_mul_ps(dw, da)),
+            _ => {
+                let mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(sc)));
+                let sa = two_ps(*a.s.add(b), *a.s.add(b1));
+                _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dw, da), sf), _mm512_mul_ps(mw, sa))
+            }
+        };
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
+        if pair {
+            acc = _mm256_add_ps(acc, hi256(t));
+        }
+        b += 2;
+    }
+    let mut tmp = [0f32; 8];
+    _mm256_storeu_ps(tmp.as_mut_ptr(), acc);
+    std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nrows);
+}
+
+/// The 8 scales and 8 mins of a Q4_K/Q5_K super-block, as 16 i16 (`sc0..7, m0..7`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k4_scales(p: *const u8) -> __m256i {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let mut u = [rd_u32(p), rd_u32(p.add(4)), rd_u32(p.add(8)), 0];
+    u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
+    let uaux = u[1] & KMASK1;
+    u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
+    u[2] = uaux;
+    u[0] &= KMASK1;
+    _mm256_cvtepu8_epi16(_mm_loadu_si128(u.as_ptr() as *const __m128i))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn idx16(groups: [i16; 4], per: usize) -> __m512i {
+    let mut v = [0i16; 32];
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = groups[(i / per).min(3)];
+    }
+    _mm512_loadu_si512(v.as_ptr() as *const __m512i)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn hsum128(v: __m128i) -> i32 {
+    let s = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// `out[r] = dot(row r, a)` for `nrows` rows of K-quant format `F`, `nb` super-blocks each.
+///
+/// # Safety
+/// As [`gemv_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+    let bs = block_bytes(F);
+    let m4 = _mm512_set1_epi8(0x0f);
+    // scale-broadcast indices: Q4_K/Q5_K chunk k covers sub-blocks 2k, 2k+1 (16 i16 each);
+    // Q6_K vector (half h, part p) covers groups 8h+4p..8h+4p+4 (8 i16 each)
+    let kidx = [
+        idx16([0, 1, 1, 1], 16),
+        idx16([2, 3, 3, 3], 16),
+        idx16([4, 5, 5, 5], 16),
+        idx16([6, 7, 7, 7], 16),
+    ];
+    let q6idx = [
+        idx16([0, 1, 2, 3], 8),
+        idx16([4, 5, 6, 7], 8),
+        idx16([8, 9, 10, 11], 8),
+        idx16([12, 13, 14, 15], 8),
+    ];
+    let q5sel: [__m512i; 4] = std::array::from_fn(|k| {
+        let lo = _mm256_set1_epi8((1u8 << (2 * k)) as i8);
+        let hi = _mm256_set1_epi8((2u8 << (2 * k)) as i8);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    });
+    for r in 0..nrows {
+        let row = w.add(r * rb);
+        let mut sum = 0f32;
+        for sb in 0..nb {
+            let x = row.add(sb * bs);
+            let y = a.q.add(sb * 292);
+            let yd = *a.d.add(sb);
+            let mut acc = _mm512_setzero_si512();
+            if F == Q6_K {
+                let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+                let sc512 = _mm512_castsi256_si512(sc16);
+                for h in 0..2 {
+                    let l = _mm512_loadu_si512(x.add(64 * h) as *const __m512i);
+                    let hb = _mm256_loadu_si256(x.add(128 + 32 * h) as *const __m256i);
+                    let hz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(hb), _mm256_srli_epi16::<2>(hb));
+                    let va = _mm512_or_si512(
+                        _mm512_and_si512(l, m4),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(hz, _mm512_set1_epi8(0x03))),
+                    );
+                    let vb = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l), m4),
+                        _mm512_and_si512(hz, _mm512_set1_epi8(0x30)),
+                    );
+                    let aa = _mm512_loadu_si512(y.add(4 + 128 * h) as *const __m512i);
+                    let ab = _mm512_loadu_si512(y.add(4 + 128 * h + 64) as *const __m512i);
+                    let pa = _mm512_maddubs_epi16(va, aa);
+                    let pb = _mm512_maddubs_epi16(vb, ab);
+                    acc = _mm512_dpwssd_epi32(acc, pa, _mm512_permutexvar_epi16(q6idx[2 * h], sc512));
+                    acc = _mm512_dpwssd_epi32(acc, pb, _mm512_permutexvar_epi16(q6idx[2 * h + 1], sc512));
+                }
+                let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.add(260) as *const __m256i));
+                acc = _mm512_sub_epi32(acc, _mm512_slli_epi32::<5>(_mm512_zextsi256_si512(corr)));
+                let sumi = _mm512_reduce_add_epi32(acc);
+                let d = yd * f16(rd_u16(x.add(208)));
+                sum += d * sumi as f32;
+            } else {
+                let ms = k4_scales(x.add(4));
+                let sc512 = _mm512_castsi256_si512(ms);
+                let qs = x.add(if F == Q4_K { 16 } else { 48 });
+                let hz = if F == Q5_K {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16) as *const __m256i))
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for k in 0..4 {
+                    let q = _mm256_loadu_si256(qs.add(32 * k) as *const __m256i);
+                    let mut wz = _mm512_and_si512(
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16::<4>(q)),
+                        m4,
+                    );
+                    if F == Q5_K {
+                        let m = _mm512_test_epi8_mask(hz, q5sel[k]);
+                        wz = _mm512_mask_add_epi8(wz, m, wz, _mm512_set1_epi8(0x10));
+                    }
+                    let az = _mm512_loadu_si512(y.add(4 + 64 * k) as *const __m512i);
+                    let p = _mm512_maddubs_epi16(wz, az);
+                    acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi16(kidx[k], sc512));
+                }
+                let sumi = _mm512_reduce_add_epi32(acc);
+                let bl = _mm_loadu_si128(y.add(260) as *const __m128i);
+                let bh = _mm_loadu_si128(y.add(276) as *const __m128i);
+                let pairs = _mm_hadd_epi16(bl, bh);
+                let summs = hsum128(_mm_madd_epi16(_mm256_extracti128_si256::<1>(ms), pairs));
+                let d = yd * f16(rd_u16(x));
+                let dmin = yd * f16(rd_u16(x.add(2)));
+                sum += d * sumi as f32 - dmin * summs as f32;
+            }
+        }
+        *out.add(r) = sum;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn f16(h: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// One GEMM tile: 16 packed rows (`panel`, legacy format `F`, `nb` blocks) times `T`
+/// activation rows; `out[t][0..nvalid]` receives row results for token `t`.
+///
+/// # Safety
+/// As [`gemv_legacy`]; `panel` holds `nb * panel_block_bytes(F)` bytes packed with `to_u8`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
+    panel: *const u8,
+    nb: usize,
+    a: &[ActRow; T],
+    out: &[*mut f32; T],
+    nvalid: usize,
+) {
+    let pbb = panel_block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let off = off512(F);
+    let mut accf = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        let pb = panel.add(b * pbb);
+        let mut acci = [_mm512_setzero_si512(); T];
+        for q in 0..8 {
+            let wv = _mm512_loadu_si512(pb.add(64 * q) as *const __m512i);
+            for t in 0..T {
+                let av = _mm512_set1_epi32(rd_i32(a[t].q.add(b * abs + aqo + 4 * q)));
+                acci[t] = _mm512_dpbusd_epi32(acci[t], wv, av);
+            }
+        }
+        let dw = _mm512_loadu_ps(pb.add(512) as *const f32);
+        for t in 0..T {
+            let mut si = acci[t];
+            if off != 0 {
+                si = _mm512_sub_epi32(si, _mm512_set1_epi32(off * *a[t].isum.add(b)));
+            }
+            let sf = _mm512_cvtepi32_ps(si);
+            let da = _mm512_set1_ps(*a[t].d.add(b));
+            let term = match kind(F) {
+                KIND_A => _mm512_mul_ps(_mm512_mul_ps(sf, dw), da),
+                KIND_B => _mm512_mul_ps(sf, _mm512_mul_ps(dw, da)),
+                _ => {
+                    let mw = _mm512_loadu_ps(pb.add(576) as *const f32);
+                    let sa = _mm512_set1_ps(*a[t].s.add(b));
+                    _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dw, da), sf), _mm512_mul_ps(mw, sa))
+                }
+            };
+            accf[t] = _mm512_add_ps(accf[t], term);
+        }
+    }
+    let m: __mmask16 = if nvalid >= 16 { 0xffff } else { (1u16 << nvalid) - 1 };
+    for t in 0..T {
+        _mm512_mask_storeu_ps(out[t], m, accf[t]);
+    }
+}
+
+/// One GEMM tile for the K-quants (`nb` super-blocks).
+///
+/// # Safety
+/// As [`gemm_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
+    panel: *const u8,
+    nb: usize,
+    a: &[ActRow; T],
+    out: &[*mut f32; T],
+    nvalid: usize,
+) {
+    let pbb = panel_block_bytes(F);
+    let (ng, qpg) = if F == Q6_K { (16, 4) } else { (8, 8) };
+    let base2 = if F == Q6_K { 5120 } else { 4608 };
+    let mut accf = [_mm512_setzero_ps(); T];
+    let zero = _mm512_setzero_si512();
+    for sb in 0..nb {
+        let pb = panel.add(sb * pbb);
+        let ao = sb * 292;
+        let mut sumi = [zero; T];
+        for g in 0..ng {
+            let mut s = [zero; T];
+            for qq in 0..qpg {
+                let q = g * qpg + qq;
+                let wv = _mm512_loadu_si512(pb.add(64 * q) as *const __m512i);
+                for t in 0..T {
+                    let av = _mm512_set1_epi32(rd_i32(a[t].q.add(ao + 4 + 4 * q)));
+                    s[t] = _mm512_dpbusd_epi32(s[t], wv, av);
+                }
+            }
+            let scv = _mm512_loadu_si512(pb.add(4096 + 64 * g) as *const __m512i);
+            for t in 0..T {
+                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(s[t], scv));
+            }
+        }
+        let mut s2 = [zero; T];
+        for k in 0..8 {
+            let v = _mm512_loadu_si512(pb.add(base2 + 64 * k) as *const __m512i);
+            for t in 0..T {
+                let bv = _mm512_set1_epi32(rd_i32(a[t].q.add(ao + 260 + 4 * k)));
+                s2[t] = _mm512_dpwssd_epi32(s2[t], v, bv);
+            }
+        }
+        for t in 0..T {
+            let yd = _mm512_set1_ps(*a[t].d.add(sb));
+            if F == Q6_K {
+                let si = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32::<5>(s2[t]));
+                let d = _mm512_mul_ps(_mm512_loadu_ps(pb.add(5632) as *const f32), yd);
+                accf[t] = _mm512_add_ps(accf[t], _mm512_mul_ps(d, _mm512_cvtepi32_ps(si)));
+            } else {
+                let d = _mm512_mul_ps(_mm512_loadu_ps(pb.add(5120) as *const f32), yd);
+                let dmin = _mm512_mul_ps(_mm512_loadu_ps(pb.add(5184) as *const f32), yd);
+                let term = _mm512_sub_ps(
+                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(sumi[t])),
+                    _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(s2[t])),
+                );
+                accf[t] = _mm512_add_ps(accf[t], term);
+            }
+        }
+    }
+    let m: __mmask16 = if nvalid >= 16 { 0xffff } else { (1u16 << nvalid) - 1 };
+    for t in 0..T {
+        _mm512_mask_storeu_ps(out[t], m, accf[t]);
+    }
+}

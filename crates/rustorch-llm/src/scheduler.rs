@@ -1,0 +1,995 @@
+//! Continuous batching: many generation requests share one [`Model`] and one
+//! [`KvCache`], like llama-server's slots.
+//!
+//! A [`Scheduler`] owns an engine thread. Requests are [submitted](Scheduler::submit)
+//! with an [`EventSink`] that receives their text; they wait in a bounded queue until
+//! one of the `n_slots` slots is free. Each slot is one sequence of the shared cache
+//! (its [`SeqId`] is its index) and holds at most `n_ctx / n_slots` tokens.
+//!
+//! Every step of the engine thread:
+//!
+//! 1. drops slots whose sink is closed (the client went away) and admits waiting
+//!    requests into free slots;
+//! 2. builds ONE [`Batch`]: one token for every generating slot, then the next chunk of
+//!    the prompt of every slot still evaluating its prompt, up to `n_batch` tokens. Each
+//!    token carries its slot's own position (the count of tokens that slot has fed so
+//!    far), never one derived from the cache;
+//! 3. calls [`Model::forward`] once;
+//! 4. samples, for every slot that got logits, with the slot's own [`Sampler`], and
+//!    streams the text through a [`TextStream`] (UTF-8 safe, stop strings held back and
+//!    cut) to the slot's sink;
+//! 5. finishes slots that produced an end-of-generation token, a stop string, reached
+//!    their token limit or filled their share of the context, and releases their cache
+//!    cells.
+//!
+//! Because the forward pass computes every token independently of the other tokens of
+//! the batch, greedy output is the same whether a request ran alone or with others.
+//!
+//! Nothing here prints; progress is reported through `tracing`.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::batch::{Batch, SeqId};
+use crate::engine::{TextStream, DEFAULT_N_BATCH};
+use crate::kv_cache::KvCache;
+use crate::model::{Model, Runtime};
+use crate::sampler::{logprobs, Logprobs, Sampler, SamplerParams};
+use crate::tokenizer::Tokenizer;
+
+/// How a [`Scheduler`] is laid out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Requests generated at the same time (llama.cpp's `--parallel`).
+    pub n_slots: usize,
+    /// Cells of the shared KV cache; each slot gets `n_ctx / n_slots`.
+    pub n_ctx: usize,
+    /// Most tokens evaluated in one forward call.
+    pub n_batch: usize,
+    /// Most requests waiting for a slot; more are refused with
+    /// [`SubmitError::QueueFull`].
+    pub queue_capacity: usize,
+}
+
+impl SchedulerConfig {
+    /// `n_slots` slots sharing `n_ctx` cells, batches of [`DEFAULT_N_BATCH`] tokens and
+    /// a queue of `4 × n_slots`.
+    pub fn new(n_ctx: usize, n_slots: usize) -> Self {
+        let n_slots = n_slots.max(1);
+        SchedulerConfig {
+            n_slots,
+            n_ctx,
+            n_batch: DEFAULT_N_BATCH,
+            queue_capacity: 4 * n_slots,
+        }
+    }
+
+    /// Tokens one slot may hold (prompt plus generated).
+    pub fn slot_ctx(&self) -> usize {
+        self.n_ctx / self.n_slots.max(1)
+    }
+}
+
+/// One generation request.
+#[derive(Debug, Clone, Default)]
+pub struct GenRequest {
+    /// The prompt, already tokenized (with BOS if the model wants one).
+    pub prompt: Vec<u32>,
+    /// Sampling settings; `ignore_eos` also makes the slot keep going past
+    /// end-of-generation tokens.
+    pub sampling: SamplerParams,
+    /// Most tokens to generate; `None` = until end of generation or the slot's context.
+    pub max_tokens: Option<usize>,
+    /// Stop strings: generation ends where one appears; it is not output.
+    pub stop: Vec<String>,
+    /// `Some(n)`: report the log-probability of each generated token and of the `n`
+    /// most likely ones.
+    pub logprobs: Option<usize>,
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` tokens were generated or the slot's context is full.
+    Length,
+    /// The scheduler was shut down ([`Scheduler::cancel_all`]).
+    Cancelled,
+}
+
+impl FinishReason {
+    /// The OpenAI name (`stop`, `length`; `cancelled` has none there).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The summary sent last for a request that ran.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    /// Tokens sampled, end-of-generation tokens excepted.
+    pub completion_tokens: usize,
+    /// Time spent waiting for a slot.
+    pub queue_time: Duration,
+    /// From admission to the first sampled token (prompt evaluation).
+    pub prompt_time: Duration,
+    /// From the first sampled token to the end.
+    pub gen_time: Duration,
+}
+
+/// What a request's sink receives, in order: any number of `Token`s, then one `Done`
+/// or one `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token. `text` is what may be shown now: it can be empty (an
+    /// incomplete UTF-8 character, or text that might still become a stop string) or
+    /// hold text of earlier tokens. The last `Token` before `Done` may carry no token
+    /// (`token == None`) and only the text held back until then.
+    Token {
+        token: Option<u32>,
+        text: String,
+        logprobs: Option<Logprobs>,
+    },
+    Done(Completion),
+    /// The request failed (a forward-pass error); nothing more follows.
+    Error(String),
+}
+
+/// Where a request's events go.
+pub trait EventSink: Send {
+    /// Delivers an event; `false` when the receiver is gone (the request is then
+    /// cancelled).
+    fn send(&mut self, event: Event) -> bool;
+    /// Whether the receiver is gone; checked before every step so that an abandoned
+    /// request frees its slot even while it produces no text.
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl EventSink for std::sync::mpsc::Sender<Event> {
+    fn send(&mut self, event: Event) -> bool {
+        std::sync::mpsc::Sender::send(self, event).is_ok()
+    }
+}
+
+impl<F: FnMut(Event) -> bool + Send> EventSink for F {
+    fn send(&mut self, event: Event) -> bool {
+        self(event)
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt is empty: nothing to evaluate")]
+    EmptyPrompt,
+    #[error(
+        "the prompt is {n_prompt} tokens long, but a slot's context holds only {n_ctx} tokens"
+    )]
+    PromptTooLong { n_prompt: usize, n_ctx: usize },
+    #[error("token id {token} is out of range (the vocabulary has {n_vocab} tokens)")]
+    TokenOutOfRange { token: u32, n_vocab: usize },
+    #[error("the server is busy: {capacity} requests are already waiting for a slot; retry later")]
+    QueueFull { capacity: usize },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// Counters and gauges of a scheduler, for monitoring.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerStats {
+    /// Requests accepted by [`Scheduler::submit`].
+    pub requests_total: u64,
+    /// Requests that ended (done, failed or cancelled).
+    pub requests_finished: u64,
+    /// Requests refused because the queue was full.
+    pub requests_rejected: u64,
+    /// Prompt tokens evaluated.
+    pub prompt_tokens_total: u64,
+    /// Tokens generated (end-of-generation tokens excepted, as in `usage`).
+    pub generated_tokens_total: u64,
+    /// Tokens sampled after evaluating a generated token (the first token of each
+    /// request, sampled right after its prompt, is not counted here).
+    pub decode_tokens_total: u64,
+    /// Wall time of the steps that evaluated generated tokens (and whatever prompt
+    /// chunks rode along in the same batch).
+    pub decode_time: Duration,
+    /// Forward calls made.
+    pub steps_total: u64,
+    /// Slots holding a request now.
+    pub slots_busy: usize,
+    pub n_slots: usize,
+    /// Requests waiting for a slot now.
+    pub queue_depth: usize,
+}
+
+impl SchedulerStats {
+    /// Decoding throughput, all slots together: `decode_tokens_total / decode_time`.
+    pub fn tokens_per_second(&self) -> f64 {
+        let s = self.decode_time.as_secs_f64();
+        if s > 0.0 {
+            self.decode_tokens_total as f64 / s
+        } else {
+            0.0
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    requests_total: AtomicU64,
+    requests_finished: AtomicU64,
+    requests_rejected: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generated_tokens: AtomicU64,
+    decode_tokens: AtomicU64,
+    decode_nanos: AtomicU64,
+    steps: AtomicU64,
+    slots_busy: AtomicUsize,
+}
+
+struct Pending {
+    id: u64,
+    req: GenRequest,
+    sink: Box<dyn EventSink>,
+    enqueued: Instant,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Pending>,
+    /// No new requests are accepted.
+    closed: bool,
+    /// Cancel everything (queued and active) at the next step.
+    cancel: bool,
+    /// The engine thread should return.
+    exit: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    counters: Counters,
+    next_id: AtomicU64,
+    accepting: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Runs generation requests on one model with continuous batching (see the module
+/// documentation). Dropping it cancels what is left and joins the engine thread.
+pub struct Scheduler {
+    shared: Arc<Shared>,
+    config: SchedulerConfig,
+    n_vocab: usize,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the engine thread. `n_ctx` and `n_slots` of `config` are raised to at
+    /// least 1 and `n_batch` to at least `n_slots`.
+    pub fn start(
+        model: Arc<Model>,
+        tokenizer: Arc<Tokenizer>,
+        rt: Runtime,
+        config: SchedulerConfig,
+    ) -> std::io::Result<Self> {
+        let mut config = config;
+        config.n_slots = config.n_slots.max(1);
+        config.n_ctx = config.n_ctx.max(config.n_slots);
+        config.n_batch = config.n_batch.max(config.n_slots);
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            counters: Counters::default(),
+            next_id: AtomicU64::new(1),
+            accepting: AtomicBool::new(true),
+        });
+        let n_vocab = model.hparams().n_vocab;
+        let engine = Engine {
+            cache: model.new_cache(config.n_ctx),
+            slots: (0..config.n_slots).map(|_| None).collect(),
+            slot_ctx: config.slot_ctx(),
+            n_batch: config.n_batch,
+            n_vocab,
+            model,
+            tokenizer,
+            rt,
+            shared: shared.clone(),
+        };
+        tracing::info!(
+            n_slots = config.n_slots,
+            n_ctx = config.n_ctx,
+            slot_ctx = config.slot_ctx(),
+            n_batch = config.n_batch,
+            queue = config.queue_capacity,
+            "scheduler started"
+        );
+        let thread = std::thread::Builder::new()
+            .name("rustorch-engine".into())
+            .spawn(move || engine.run())?;
+        Ok(Scheduler {
+            shared,
+            config,
+            n_vocab,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Tokens one slot may hold.
+    pub fn slot_ctx(&self) -> usize {
+        self.config.slot_ctx()
+    }
+
+    /// Queues a request; its events go to `sink`. Returns the request's id.
+    pub fn submit(&self, req: GenRequest, sink: Box<dyn EventSink>) -> Result<u64, SubmitError> {
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if req.prompt.len() > self.slot_ctx() {
+            return Err(SubmitError::PromptTooLong {
+                n_prompt: req.prompt.len(),
+                n_ctx: self.slot_ctx(),
+            });
+        }
+        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= self.n_vocab) {
+            return Err(SubmitError::TokenOutOfRange {
+                token,
+                n_vocab: self.n_vocab,
+            });
+        }
+        let mut q = self.shared.lock();
+        if q.closed {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if q.waiting.len() >= self.config.queue_capacity {
+            self.shared
+                .counters
+                .requests_rejected
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(SubmitError::QueueFull {
+                capacity: self.config.queue_capacity,
+            });
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        q.waiting.push_back(Pending {
+            id,
+            req,
+            sink,
+            enqueued: Instant::now(),
+        });
+        self.shared
+            .counters
+            .requests_total
+            .fetch_add(1, Ordering::Relaxed);
+        drop(q);
+        self.shared.wake.notify_all();
+        tracing::debug!(id, "request queued");
+        Ok(id)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> SchedulerStats {
+        let c = &self.shared.counters;
+        let queue_depth = self.shared.lock().waiting.len();
+        SchedulerStats {
+            requests_total: c.requests_total.load(Ordering::Relaxed),
+            requests_finished: c.requests_finished.load(Ordering::Relaxed),
+            requests_rejected: c.requests_rejected.load(Ordering::Relaxed),
+            prompt_tokens_total: c.prompt_tokens.load(Ordering::Relaxed),
+            generated_tokens_total: c.generated_tokens.load(Ordering::Relaxed),
+            decode_tokens_total: c.decode_tokens.load(Ordering::Relaxed),
+            decode_time: Duration::from_nanos(c.decode_nanos.load(Ordering::Relaxed)),
+            steps_total: c.steps.load(Ordering::Relaxed),
+            slots_busy: c.slots_busy.load(Ordering::Relaxed),
+            n_slots: self.config.n_slots,
+            queue_depth,
+        }
+    }
+
+    /// Whether no request is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        let s = self.stats();
+        s.slots_busy == 0 && s.queue_depth == 0
+    }
+
+    /// Refuses new requests ([`SubmitError::ShuttingDown`]); queued and running ones
+    /// go on.
+    pub fn stop_accepting(&self) {
+        self.shared.accepting.store(false, Ordering::Relaxed);
+        self.shared.lock().closed = true;
+    }
+
+    /// Whether [`stop_accepting`](Self::stop_accepting) was called.
+    pub fn is_accepting(&self) -> bool {
+        self.shared.accepting.load(Ordering::Relaxed)
+    }
+
+    /// Refuses new requests and ends every queued and running one with
+    /// [`FinishReason::Cancelled`] at the next step.
+    pub fn cancel_all(&self) {
+        self.shared.accepting.store(false, Ordering::Relaxed);
+        let mut q = self.shared.lock();
+        q.closed = true;
+        q.cancel = true;
+        drop(q);
+        self.shared.wake.notify_all();
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        {
+            let mut q = self.shared.lock();
+            q.closed = true;
+            q.cancel = true;
+            q.exit = true;
+        }
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
+    }
+}
+
+/// A request being served.
+struct Slot {
+    id: u64,
+    seq: SeqId,
+    req: GenRequest,
+    sink: Box<dyn EventSink>,
+    sampler: Sampler,
+    stream: TextStream,
+    /// Prompt tokens evaluated so far.
+    n_fed: usize,
+    /// Tokens in this slot's sequence: the position of the next one.
+    n_past: usize,
+    /// The last sampled token, to be evaluated in the next step.
+    next: Option<u32>,
+    n_gen: usize,
+    queue_time: Duration,
+    admitted: Instant,
+    first_token: Option<Instant>,
+}
+
+/// What a slot put into the step's batch.
+struct Entry {
+    slot: usize,
+    n_tokens: usize,
+    prompt_tokens: usize,
+    /// Batch index of the token whose logits it samples from.
+    logits_at: Option<usize>,
+}
+
+struct Engine {
+    model: Arc<Model>,
+    tokenizer: Arc<Tokenizer>,
+    rt: Runtime,
+    cache: KvCache,
+    slots: Vec<Option<Slot>>,
+    slot_ctx: usize,
+    n_batch: usize,
+    n_vocab: usize,
+    shared: Arc<Shared>,
+}
+
+impl Engine {
+    fn run(mut self) {
+        let mut batch = Batch::new();
+        loop {
+            let (incoming, cancel, exit) = match self.wait_for_work() {
+                Some(w) => w,
+                None => return,
+            };
+            if cancel {
+                for p in incoming {
+                    self.finish_pending(p);
+                }
+                for i in 0..self.slots.len() {
+                    self.finish(i, FinishReason::Cancelled, false);
+                }
+                if exit {
+                    return;
+                }
+                continue;
+            }
+            for p in incoming {
+                self.admit(p);
+            }
+            let step = std::panic::catch_unwind(AssertUnwindSafe(|| self.step(&mut batch)));
+            if step.is_err() {
+                tracing::error!("a step of the engine panicked; failing its requests");
+                for i in 0..self.slots.len() {
+                    self.fail(i, "internal error while generating");
+                }
+                self.cache.clear();
+            }
+        }
+    }
+
+    fn busy(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Blocks until there is something to do. Returns the requests to admit now (as
+    /// many as there are free slots), whether to cancel everything, and whether to exit
+    /// afterwards; `None` to exit at once.
+    fn wait_for_work(&mut self) -> Option<(Vec<Pending>, bool, bool)> {
+        let shared = self.shared.clone();
+        let mut q = shared.lock();
+        loop {
+            if q.cancel {
+                let all: Vec<Pending> = q.waiting.drain(..).collect();
+                q.cancel = false;
+                return Some((all, true, q.exit));
+            }
+            if q.exit {
+                return None;
+            }
+            // drop waiting requests whose client is gone
+            let before = q.waiting.len();
+            q.waiting.retain(|p| !p.sink.is_closed());
+            let dropped = before - q.waiting.len();
+            if dropped > 0 {
+                self.shared
+                    .counters
+                    .requests_finished
+                    .fetch_add(dropped as u64, Ordering::Relaxed);
+            }
+            let free = self.slots.len() - self.busy();
+            let n = free.min(q.waiting.len());
+            let admit: Vec<Pending> = q.waiting.drain(..n).collect();
+            if !admit.is_empty() || self.busy() > 0 {
+                return Some((admit, false, false));
+            }
+            q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn admit(&mut self, p: Pending) {
+        let Some(i) = self.slots.iter().position(Option::is_none) else {
+            // cannot happen: wait_for_work admits only as many as there are free slots
+            self.finish_pending(p);
+            return;
+        };
+        let seq = i as SeqId;
+        self.cache.seq_rm(seq, None, None);
+        let mut sampler = Sampler::new(p.req.sampling.clone(), self.n_vocab);
+        for &t in &p.req.prompt {
+            sampler.accept(t);
+        }
+        tracing::debug!(
+            id = p.id,
+            slot = i,
+            n_prompt = p.req.prompt.len(),
+            seed = sampler.seed(),
+            "request admitted"
+        );
+        let stream = TextStream::new(p.req.stop.clone());
+        self.slots[i] = Some(Slot {
+            id: p.id,
+            seq,
+            sink: p.sink,
+            sampler,
+            stream,
+            n_fed: 0,
+            n_past: 0,
+            next: None,
+            n_gen: 0,
+            queue_time: p.enqueued.elapsed(),
+            admitted: Instant::now(),
+            first_token: None,
+            req: p.req,
+        });
+        self.shared
+            .counters
+            .slots_busy
+            .store(self.busy(), Ordering::Relaxed);
+    }
+
+    /// Ends a request that never got a slot.
+    fn finish_pending(&mut self, mut p: Pending) {
+        p.sink.send(Event::Done(Completion {
+            finish: FinishReason::Cancelled,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            queue_time: p.enqueued.elapsed(),
+            prompt_time: Duration::ZERO,
+            gen_time: Duration::ZERO,
+        }));
+        self.shared
+            .counters
+            .requests_finished
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Frees slot `i` and its cache cells.
+    fn release(&mut self, i: usize) -> Option<Slot> {
+        let slot = self.slots.get_mut(i)?.take()?;
+        self.cache.seq_rm(slot.seq, None, None);
+        let c = &self.shared.counters;
+        c.slots_busy.store(self.busy(), Ordering::Relaxed);
+        c.requests_finished.fetch_add(1, Ordering::Relaxed);
+        Some(slot)
+    }
+
+    /// Sends what is left of slot `i`'s text and its summary, then frees it.
+    /// `by_stop_string`: a stop string ended it (the text after it is dropped).
+    fn finish(&mut self, i: usize, reason: FinishReason, by_stop_string: bool) {
+        let Some(mut slot) = self.release(i) else {
+            return;
+        };
+        let rest = slot.stream.finish(by_stop_string);
+        if !rest.is_empty() && reason != FinishReason::Cancelled {
+            slot.sink.send(Event::Token {
+                token: None,
+                text: rest,
+                logprobs: None,
+            });
+        }
+        let now = Instant::now();
+        let first = slot.first_token.unwrap_or(now);
+        let done = Completion {
+            finish: reason,
+            prompt_tokens: slot.req.prompt.len(),
+            completion_tokens: slot.n_gen,
+            queue_time: slot.queue_time,
+            prompt_time: first.duration_since(slot.admitted),
+            gen_time: now.duration_since(first),
+        };
+        tracing::debug!(
+            id = slot.id,
+            slot = i,
+            finish = reason.as_str(),
+            n_prompt = done.prompt_tokens,
+            n_gen = done.completion_tokens,
+            prompt_ms = done.prompt_time.as_secs_f64() * 1e3,
+            gen_ms = done.gen_time.as_secs_f64() * 1e3,
+            "request finished"
+        );
+        slot.sink.send(Event::Done(done));
+    }
+
+    /// Reports an error to slot `i` and frees it.
+    fn fail(&mut self, i: usize, message: &str) {
+        if let Some(mut slot) = self.release(i) {
+            tracing::warn!(id = slot.id, slot = i, error = message, "request failed");
+            slot.sink.send(Event::Error(message.to_string()));
+        }
+    }
+
+    /// Frees slot `i` because its client is gone.
+    fn drop_abandoned(&mut self, i: usize) {
+        if let Some(slot) = self.release(i) {
+            tracing::debug!(id = slot.id, slot = i, "client gone; slot released");
+        }
+    }
+
+    fn step(&mut self, batch: &mut Batch) {
+        for i in 0..self.slots.len() {
+            if self.slots[i].as_ref().is_some_and(|s| s.sink.is_closed()) {
+                self.drop_abandoned(i);
+            }
+        }
+        batch.clear();
+        let mut entries: Vec<Entry> = Vec::new();
+        // one token for every generating slot
+        for (i, slot) in self.slots.iter().enumerate() {
+            let Some(s) = slot else { continue };
+            if let Some(t) = s.next {
+                entries.push(Entry {
+                    slot: i,
+                    n_tokens: 1,
+                    prompt_tokens: 0,
+                    logits_at: Some(batch.len()),
+                });
+                batch.push(t, s.n_past as u32, s.seq, true);
+            }
+        }
+        let generating = !entries.is_empty();
+        // then prompt chunks, oldest request first, while the batch has room
+        let mut order: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| {
+                self.slots[i]
+                    .as_ref()
+                    .is_some_and(|s| s.next.is_none() && s.n_fed < s.req.prompt.len())
+            })
+            .collect();
+        order.sort_by_key(|&i| self.slots[i].as_ref().map_or(0, |s| s.id));
+        for i in order {
+            let room = self.n_batch.saturating_sub(batch.len());
+            if room == 0 {
+                break;
+            }
+            let Some(s) = self.slots[i].as_ref() else {
+                continue;
+            };
+            let take = room.min(s.req.prompt.len() - s.n_fed);
+            let last = s.n_fed + take == s.req.prompt.len();
+            for (k, &t) in s.req.prompt[s.n_fed..s.n_fed + take].iter().enumerate() {
+                batch.push(t, (s.n_past + k) as u32, s.seq, last && k + 1 == take);
+            }
+            entries.push(Entry {
+                slot: i,
+                n_tokens: take,
+                prompt_tokens: take,
+                logits_at: last.then(|| batch.len() - 1),
+            });
+        }
+        if batch.is_empty() {
+            return;
+        }
+
+        let t0 = Instant::now();
+        let out = self.model.forward(batch, &mut self.cache, &self.rt);
+        self.shared.counters.steps.fetch_add(1, Ordering::Relaxed);
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                let msg = format!("forward pass failed: {e}");
+                for en in &entries {
+                    self.fail(en.slot, &msg);
+                }
+                return;
+            }
+        };
+        let mut n_prompt = 0u64;
+        for en in &entries {
+            if let Some(Some(s)) = self.slots.get_mut(en.slot) {
+                s.n_past += en.n_tokens;
+                s.n_fed += en.prompt_tokens;
+                n_prompt += en.prompt_tokens as u64;
+            }
+        }
+        self.shared
+            .counters
+            .prompt_tokens
+            .fetch_add(n_prompt, Ordering::Relaxed);
+        for en in &entries {
+            let Some(bi) = en.logits_at else { continue };
+            let Some(logits) = out.logits_for(bi, self.n_vocab) else {
+                self.fail(en.slot, "the forward pass returned no logits");
+                continue;
+            };
+            self.sample(en.slot, logits, en.prompt_tokens == 0);
+        }
+        if generating {
+            self.shared
+                .counters
+                .decode_nanos
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Samples the next token of slot `i`, streams it, and finishes the slot when it is
+    /// done. `decoding`: the logits are those of a generated token (not of the prompt).
+    fn sample(&mut self, i: usize, logits: &[f32], decoding: bool) {
+        let tokenizer = self.tokenizer.clone();
+        let slot_ctx = self.slot_ctx;
+        let Some(Some(s)) = self.slots.get_mut(i) else {
+            return;
+        };
+        let token = s.sampler.sample(logits);
+        s.sampler.accept(token);
+        if s.first_token.is_none() {
+            s.first_token = Some(Instant::now());
+        }
+        let outcome = if tokenizer.is_eog(token) && !s.req.sampling.ignore_eos {
+            Some((FinishReason::Stop, false))
+        } else {
+            s.n_gen += 1;
+            // counted before the token is delivered, so that a client that has its
+            // answer also sees it in the counters
+            let c = &self.shared.counters;
+            c.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            if decoding {
+                c.decode_tokens.fetch_add(1, Ordering::Relaxed);
+            }
+            let lp = s.req.logprobs.map(|n| logprobs(logits, token, n));
+            let (text, stopped) = s.stream.push(&tokenizer.token_to_piece(token, false));
+            let delivered = s.sink.send(Event::Token {
+                token: Some(token),
+                text,
+                logprobs: lp,
+            });
+            if !delivered {
+                self.drop_abandoned(i);
+                return;
+            }
+            if stopped {
+                Some((FinishReason::Stop, true))
+            } else if s.req.max_tokens.is_some_and(|n| s.n_gen >= n) || s.n_past >= slot_ctx {
+                Some((FinishReason::Length, false))
+            } else {
+                s.next = Some(token);
+                None
+            }
+        };
+        if let Some((reason, by_stop_string)) = outcome {
+            self.finish(i, reason, by_stop_string);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::mpsc;
+
+    use rustorch_core::gguf::GgufFile;
+
+    use super::*;
+    use crate::engine::{generate, GenerateParams, Session};
+
+    fn load() -> Option<(Arc<Model>, Arc<Tokenizer>)> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !path.is_file() {
+            eprintln!("SKIPPED: {} is absent", path.display());
+            return None;
+        }
+        let gguf = Arc::new(GgufFile::open(&path).expect("open"));
+        let tok = Tokenizer::from_gguf(&gguf).expect("tokenizer");
+        let model = Model::load(gguf).expect("model");
+        Some((Arc::new(model), Arc::new(tok)))
+    }
+
+    fn request(tok: &Tokenizer, text: &str, n: usize) -> GenRequest {
+        GenRequest {
+            prompt: tok.encode(text, true, true).expect("encode"),
+            sampling: SamplerParams::greedy(),
+            max_tokens: Some(n),
+            ..GenRequest::default()
+        }
+    }
+
+    /// Collects a request's text and summary.
+    fn wait(rx: mpsc::Receiver<Event>) -> (String, Completion) {
+        let mut text = String::new();
+        for ev in rx {
+            match ev {
+                Event::Token { text: t, .. } => text.push_str(&t),
+                Event::Done(c) => return (text, c),
+                Event::Error(e) => panic!("request failed: {e}"),
+            }
+        }
+        panic!("no Done event");
+    }
+
+    #[test]
+    fn config_splits_the_context() {
+        let c = SchedulerConfig::new(4096, 8);
+        assert_eq!(c.slot_ctx(), 512);
+        assert_eq!(c.queue_capacity, 32);
+        assert_eq!(SchedulerConfig::new(100, 0).n_slots, 1);
+    }
+
+    /// Greedy output through the scheduler, alone and batched with others, equals what
+    /// the single-sequence engine generates.
+    #[test]
+    fn batched_greedy_output_matches_the_engine() {
+        let Some((model, tok)) = load() else { return };
+        let prompts = [
+            "The capital of France is",
+            "Once upon a time",
+            "1, 2, 3, 4,",
+        ];
+        let n = 12;
+        let rt = Runtime::new(1);
+        let expected: Vec<String> = prompts
+            .iter()
+            .map(|p| {
+                let mut session = Session::new(&model, &rt, 256);
+                let mut sampler = Sampler::new(SamplerParams::greedy(), tok.n_vocab());
+                let params = GenerateParams {
+                    n_predict: Some(n),
+                    ..GenerateParams::default()
+                };
+                let prompt = tok.encode(p, true, true).expect("encode");
+                generate(
+                    &mut session,
+                    &tok,
+                    &mut sampler,
+                    &prompt,
+                    &params,
+                    &mut |_| true,
+                )
+                .expect("generate")
+                .text
+            })
+            .collect();
+
+        let mut config = SchedulerConfig::new(1024, 4);
+        config.n_batch = 8; // forces prompts to be evaluated in several chunks
+        let sched =
+            Scheduler::start(model.clone(), tok.clone(), Runtime::new(1), config).expect("start");
+        // alone
+        for (p, want) in prompts.iter().zip(&expected) {
+            let (tx, rx) = mpsc::channel();
+            sched
+                .submit(request(&tok, p, n), Box::new(tx))
+                .expect("submit");
+            let (text, done) = wait(rx);
+            assert_eq!(&text, want, "{p:?} alone");
+            assert_eq!(done.finish, FinishReason::Length);
+            assert_eq!(done.completion_tokens, n);
+        }
+        // all together
+        let rxs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (tx, rx) = mpsc::channel();
+                sched
+                    .submit(request(&tok, p, n), Box::new(tx))
+                    .expect("submit");
+                rx
+            })
+            .collect();
+        for ((p, want), rx) in prompts.iter().zip(&expected).zip(rxs) {
+            assert_eq!(&wait(rx).0, want, "{p:?} batched");
+        }
+        let s = sched.stats();
+        assert_eq!(s.slots_busy, 0);
+        assert_eq!(s.requests_total, 6);
+        assert_eq!(s.generated_tokens_total, 6 * n as u64);
+    }
+
+    #[test]
+    fn refusals() {
+        let Some((model, tok)) = load() else { return };
+        let mut config = SchedulerConfig::new(64, 2);
+        config.queue_capacity = 1;
+        let sched = Scheduler::start(model, tok.clone(), Runtime::new(1), config).expect("start");
+        let sink = || Box::new(|_: Event| true) as Box<dyn EventSink>;
+        assert_eq!(
+            sched.submit(GenRequest::default(), sink()),
+            Err(SubmitError::EmptyPrompt)
+        );
+        let long = GenRequest {
+            prompt: vec![1; 33],
+            ..GenRequest::default()
+        };
+        assert_eq!(
+            sched.submit(long, sink()),
+            Err(SubmitError::PromptTooLong {
+                n_prompt: 33,
+                n_ctx: 32
+            })
+        );
+        let bad = GenRequest {
+            prompt: vec![u32::MAX],
+            ..GenRequest::default()
+        };
+        assert!(matches!(
+            sched.submit(bad, sink()),
+            Err(SubmitError::TokenOutOfRange { .. })
+        ));
+        sched.cancel_all();
+        assert_eq!(
+            sched.submit(request(&tok, "hi", 1), sink()),
+            Err(SubmitError::ShuttingDown)
+        );
+    }
+}
