@@ -767,10 +767,11 @@ fn full_queue_answers_429() {
 }
 
 /// Greedy output of each prompt run alone equals its output when all run together,
-/// batched into shared forward passes.
+/// batched into shared forward passes (8 at once: enough for the matmul to take its
+/// multi-row path, where one alone takes the single-row one).
 #[test]
 fn greedy_output_is_the_same_alone_and_batched() {
-    let Some(s) = Server::start(&["-np", "4", "-c", "2048"]) else {
+    let Some(s) = Server::start(&["-np", "8", "-c", "2048"]) else {
         return;
     };
     let prompts = [
@@ -778,9 +779,16 @@ fn greedy_output_is_the_same_alone_and_batched() {
         "Name three colors.",
         "Write a haiku about the sea.",
         "What is 2 + 2?",
+        "Describe a cat.",
+        "Why is the sky blue?",
+        "Give me a recipe for pancakes.",
+        "Tell me a joke.",
     ];
     let body = |p: &str, stream: bool| {
-        chat_body(p, json!({"max_tokens": 24, "stream": stream, "seed": 1}))
+        chat_body(
+            p,
+            json!({"max_tokens": 16, "ignore_eos": true, "stream": stream, "seed": 1}),
+        )
     };
     let alone: Vec<String> = prompts
         .iter()
@@ -865,4 +873,18 @@ fn sigterm_stops_gracefully_with_exit_0() {
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
     // nothing listens any more
     assert!(TcpStream::connect(&s.addr).is_err());
+}
+
+#[test]
+fn a_model_that_does_not_load_exits_1() {
+    let not_gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_rustorch"))
+        .args(["serve", "--port", "0", "-m"])
+        .arg(&not_gguf)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run rustorch serve");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("error:"), "{err}");
 }

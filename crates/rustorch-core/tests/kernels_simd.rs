@@ -317,3 +317,55 @@ fn float_dots_match_reference() {
         }
     }
 }
+
+#[test]
+fn vector_exp_and_swiglu_are_bit_exact() {
+    use rustorch_core::kernels::vexp::{exp_slice, swiglu, vexp_enabled};
+    let mut rng = Rng(77);
+    let mut xs: Vec<f32> = (0..200_000).map(|_| -120.0 + 220.0 * rng.unit()).collect();
+    xs.extend((0..50_000).map(|_| f32::from_bits(rng.next() as u32)));
+    xs.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 88.72283, -103.97208, 89.0, -104.0]);
+    for isa in Isa::available() {
+        eprintln!("{isa:?}: vector exp enabled = {}", vexp_enabled(isa));
+        let mut got = xs.clone();
+        exp_slice(isa, &mut got);
+        for (x, g) in xs.iter().zip(&got) {
+            let w = x.exp();
+            assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{isa:?} exp({x}) = {g}, want {w}");
+        }
+        let up: Vec<f32> = (0..xs.len()).map(|_| rng.normal()).collect();
+        let gate: Vec<f32> = xs.iter().map(|x| x * 0.1).collect();
+        let mut a = gate.clone();
+        let mut b = gate.clone();
+        rustorch_core::kernels::ops::swiglu(&mut a, &up);
+        swiglu(isa, &mut b, &up);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()), "{isa:?} swiglu[{i}]: {y} vs {x}");
+        }
+    }
+}
+
+/// Every f32 input (about a minute): `cargo test --release --test kernels_simd -- --ignored`.
+#[test]
+#[ignore]
+fn vector_exp_exhaustive() {
+    use rustorch_core::kernels::vexp::exp_slice;
+    let isa = *Isa::available().last().unwrap();
+    let mut buf = vec![0f32; 1 << 20];
+    let mut bad = 0u64;
+    for chunk in 0..(1u64 << 12) {
+        let base = (chunk << 20) as u32;
+        for (i, v) in buf.iter_mut().enumerate() {
+            *v = f32::from_bits(base + i as u32);
+        }
+        let mut got = buf.clone();
+        exp_slice(isa, &mut got);
+        for (x, g) in buf.iter().zip(&got) {
+            let w = x.exp();
+            if !(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan())) {
+                bad += 1;
+            }
+        }
+    }
+    assert_eq!(bad, 0);
+}

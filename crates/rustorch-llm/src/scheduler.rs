@@ -208,6 +208,8 @@ pub struct SchedulerStats {
     pub decode_time: Duration,
     /// Forward calls made.
     pub steps_total: u64,
+    /// Time spent in forward calls (the rest of a step is batching and sampling).
+    pub forward_time: Duration,
     /// Slots holding a request now.
     pub slots_busy: usize,
     pub n_slots: usize,
@@ -236,6 +238,7 @@ struct Counters {
     generated_tokens: AtomicU64,
     decode_tokens: AtomicU64,
     decode_nanos: AtomicU64,
+    forward_nanos: AtomicU64,
     steps: AtomicU64,
     slots_busy: AtomicUsize,
 }
@@ -401,6 +404,7 @@ impl Scheduler {
             decode_tokens_total: c.decode_tokens.load(Ordering::Relaxed),
             decode_time: Duration::from_nanos(c.decode_nanos.load(Ordering::Relaxed)),
             steps_total: c.steps.load(Ordering::Relaxed),
+            forward_time: Duration::from_nanos(c.forward_nanos.load(Ordering::Relaxed)),
             slots_busy: c.slots_busy.load(Ordering::Relaxed),
             n_slots: self.config.n_slots,
             queue_depth,
@@ -744,7 +748,10 @@ impl Engine {
 
         let t0 = Instant::now();
         let out = self.model.forward(batch, &mut self.cache, &self.rt);
-        self.shared.counters.steps.fetch_add(1, Ordering::Relaxed);
+        let c = &self.shared.counters;
+        c.steps.fetch_add(1, Ordering::Relaxed);
+        c.forward_nanos
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let out = match out {
             Ok(o) => o,
             Err(e) => {

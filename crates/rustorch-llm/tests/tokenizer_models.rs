@@ -60,6 +60,15 @@ impl Case {
     }
 }
 
+/// Cases whose detokenization differs from the input on purpose: Phi-3's special
+/// tokens carry rstrip, and these vocabularies have llama.cpp's "clean up
+/// tokenization spaces" (" ." -> ".", " 's" -> "'s") on.
+fn strips_whitespace(model: &str, case: &str) -> bool {
+    let cleans = ["llama-bpe", "gemma-4", "gpt-neox", "aquila"];
+    (model.contains("phi-3") && ["chat_phi3", "strip_attrs", "special_mentions"].contains(&case))
+        || cleans.iter().any(|m| model.contains(m))
+}
+
 #[test]
 fn llama_cpp_recorded_fixtures() {
     let dir = root().join("tests/fixtures/tokenizer");
@@ -142,10 +151,17 @@ fn llama_cpp_recorded_fixtures() {
                     }
                 }
             }
+            // With add_special, llama.cpp keeps SentencePiece's leading space when it
+            // drops the BOS, so only texts tokenized without specials added round-trip.
             let valid_utf8 = std::str::from_utf8(&input).is_ok();
-            if lossless_vocab && valid_utf8 && case.parse_special {
+            if lossless_vocab
+                && valid_utf8
+                && case.parse_special
+                && !case.add_special
+                && !strips_whitespace(&fx.model, &case.name)
+            {
                 rt_n += 1;
-                let back = tok.detokenize_with(&case.ids, case.add_special, true);
+                let back = tok.detokenize(&case.ids, true);
                 if back == input {
                     rt_ok += 1;
                 } else {

@@ -154,6 +154,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Result<()> {
+    // handlers first, so that a SIGTERM right after the address is printed is graceful too
+    let signals = Signals::install().context("installing signal handlers")?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
@@ -222,7 +224,7 @@ async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Resul
         let load_error = load_error.clone();
         async move {
             tokio::select! {
-                _ = shutdown_signal() => {
+                _ = signals.recv() => {
                     eprintln!("rustorch: shutting down");
                 }
                 Ok(e) = fail_rx => {
@@ -303,26 +305,39 @@ fn load(path: &std::path::Path, args: &LoadArgs) -> anyhow::Result<Ready> {
     })
 }
 
-/// Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
+/// Ctrl-C and SIGTERM, registered when installed.
+struct Signals {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Signals {
+                int: signal(SignalKind::interrupt())?,
+                term: signal(SignalKind::terminate())?,
+            })
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    /// Waits for the first of them.
+    async fn recv(mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = &mut self;
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

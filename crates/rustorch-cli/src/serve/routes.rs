@@ -205,6 +205,12 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, Api
         s.steps_total.to_string(),
     );
     metric(
+        "forward_seconds_total",
+        "counter",
+        "Time spent in forward passes.",
+        format!("{:.6}", s.forward_time.as_secs_f64()),
+    );
+    metric(
         "slots_busy",
         "gauge",
         "Slots serving a request.",

@@ -50,6 +50,43 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
     attend_scalar(h, out)
 }
 
+/// One query of a group attending over the same key/value rows.
+pub struct GroupQuery<'a> {
+    /// The query head (`hd` values, not yet rounded).
+    pub q: &'a [f32],
+    /// Cells with a position above this are invisible to the query.
+    pub max_pos: u32,
+    /// Output (`hd` values).
+    pub out: &'a mut [f32],
+}
+
+/// Several queries (heads of one KV group, tokens of one sequence) over the same key/value
+/// rows; `h.q` and `h.max_pos` are ignored. Each output equals what [`attend_head`] computes
+/// for that query alone up to the key dot product's summation order, and does not depend on
+/// which other queries share the call.
+pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let hd = queries.first().map_or(0, |q| q.q.len());
+        if isa == Isa::Avx512 && hd % 16 == 0 && hd > 0 && hd <= 256 {
+            let vexp = super::vexp::vexp_enabled(isa);
+            for chunk in queries.chunks_mut(x86::MAX_Q) {
+                // SAFETY: the family was detected; rows are bounds-checked inside.
+                unsafe { x86::attend_group_avx512(h, chunk, vexp) };
+            }
+            return;
+        }
+    }
+    for gq in queries.iter_mut() {
+        let one = HeadAttn {
+            q: gq.q,
+            max_pos: gq.max_pos,
+            ..*h
+        };
+        attend_head(isa, &one, gq.out);
+    }
+}
+
 /// The scalar reference.
 pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
     let hd = h.q.len();
@@ -212,6 +249,180 @@ mod x86 {
         let inv = _mm512_set1_ps(1.0 / sum);
         for (i, a) in acc.iter().enumerate().take(nv) {
             _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, inv));
+        }
+    }
+
+    pub(super) const MAX_Q: usize = 16;
+    const CH: usize = 16;
+
+    /// Folds 16 vectors into one whose lane `i` is the sum of the lanes of `z[i]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn transpose_sum16(z: &[__m512; 16]) -> __m512 {
+        let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let pair = |a: __m512, b: __m512| {
+            _mm512_add_ps(_mm512_permutex2var_ps(a, e, b), _mm512_permutex2var_ps(a, o, b))
+        };
+        let y: [__m512; 8] = std::array::from_fn(|i| pair(z[2 * i], z[2 * i + 1]));
+        let x: [__m512; 4] = std::array::from_fn(|i| pair(y[2 * i], y[2 * i + 1]));
+        let w0 = pair(x[0], x[1]);
+        let w1 = pair(x[2], x[3]);
+        pair(w0, w1)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_avx512(h: &HeadAttn<'_>, qs: &mut [super::GroupQuery<'_>], vexp: bool) {
+        let nq = qs.len();
+        let hd = qs[0].q.len();
+        let nv = hd / 16;
+        let zero = _mm512_setzero_ps();
+        use std::mem::MaybeUninit;
+        // Scratch rows of `hd` floats (only written parts are ever read).
+        let mut qbuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
+        let mut abuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
+        let mut kbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
+        let mut vbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
+        let (qp, accp) = (qbuf.as_mut_ptr() as *mut f32, abuf.as_mut_ptr() as *mut f32);
+        let (kp, vp) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+        let mut m = [f32::NEG_INFINITY; MAX_Q];
+        let mut sum = [0f32; MAX_Q];
+        for (j, gq) in qs.iter().enumerate() {
+            assert_eq!(gq.q.len(), hd);
+            for i in 0..nv {
+                let x = _mm512_loadu_ps(gq.q.as_ptr().add(16 * i));
+                _mm512_storeu_ps(qp.add(j * hd + 16 * i), _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x)));
+                _mm512_storeu_ps(accp.add(j * hd + 16 * i), zero);
+            }
+        }
+        let ncell = h.pos.len();
+        let mut c0 = 0;
+        while c0 < ncell {
+            let nc = (ncell - c0).min(CH);
+            let mut masks = [0u32; MAX_Q];
+            let mut any = 0u32;
+            for (j, gq) in qs.iter().enumerate() {
+                let mut mk = 0u32;
+                for c in 0..nc {
+                    if h.pos[c0 + c] <= gq.max_pos {
+                        mk |= 1 << c;
+                    }
+                }
+                masks[j] = mk;
+                any |= mk;
+            }
+            if any == 0 {
+                c0 += nc;
+                continue;
+            }
+            for c in 0..nc {
+                if any & (1 << c) == 0 {
+                    continue;
+                }
+                let base = (c0 + c) * h.stride + h.offset;
+                assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+                for i in 0..nv {
+                    let k = _mm512_cvtph_ps(_mm256_loadu_si256(h.k.as_ptr().add(base + 16 * i) as *const __m256i));
+                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(h.v.as_ptr().add(base + 16 * i) as *const __m256i));
+                    _mm512_storeu_ps(kp.add(c * hd + 16 * i), k);
+                    _mm512_storeu_ps(vp.add(c * hd + 16 * i), v);
+                }
+            }
+            for j in 0..nq {
+                let mk = masks[j];
+                if mk == 0 {
+                    continue;
+                }
+                // scores of the 16 cells
+                let mut z = [zero; 16];
+                for (c, zc) in z.iter_mut().enumerate().take(nc) {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let mut a = zero;
+                    for i in 0..nv {
+                        a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(qp.add(j * hd + 16 * i)),
+                            _mm512_loadu_ps(kp.add(c * hd + 16 * i)),
+                            a,
+                        );
+                    }
+                    *zc = a;
+                }
+                let sv = _mm512_mul_ps(transpose_sum16(&z), _mm512_set1_ps(h.scale));
+                let mut sc = [0f32; 16];
+                _mm512_storeu_ps(sc.as_mut_ptr(), sv);
+                // online softmax: exponent arguments in cell order, then one vector exp
+                let mut arg = [0f32; 16];
+                let mut resc = 0u32;
+                let mut mj = m[j];
+                for c in 0..nc {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let s = sc[c];
+                    if s > mj {
+                        arg[c] = mj - s;
+                        resc |= 1 << c;
+                        mj = s;
+                    } else {
+                        arg[c] = s - mj;
+                    }
+                }
+                m[j] = mj;
+                let mut ex = [0f32; 16];
+                if vexp {
+                    _mm512_storeu_ps(ex.as_mut_ptr(), super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())));
+                } else {
+                    for c in 0..nc {
+                        if mk & (1 << c) != 0 {
+                            ex[c] = arg[c].exp();
+                        }
+                    }
+                }
+                // weighted values into the f16 accumulator
+                let ap = accp.add(j * hd);
+                let mut a = [zero; 16];
+                for (i, ai) in a.iter_mut().enumerate().take(nv) {
+                    *ai = _mm512_loadu_ps(ap.add(16 * i));
+                }
+                let mut sj = sum[j];
+                for c in 0..nc {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let (ms, vs) = if resc & (1 << c) != 0 { (ex[c], 1.0f32) } else { (1.0f32, ex[c]) };
+                    if resc & (1 << c) != 0 {
+                        let msv = _mm512_set1_ps(ms);
+                        for ai in a.iter_mut().take(nv) {
+                            *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
+                        }
+                    }
+                    let vsv = _mm512_set1_ps(vs);
+                    for (i, ai) in a.iter_mut().enumerate().take(nv) {
+                        let t = _mm512_add_ps(*ai, _mm512_mul_ps(_mm512_loadu_ps(vp.add(c * hd + 16 * i)), vsv));
+                        *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+                    }
+                    sj = sj * ms + vs;
+                }
+                sum[j] = sj;
+                for (i, ai) in a.iter().enumerate().take(nv) {
+                    _mm512_storeu_ps(ap.add(16 * i), *ai);
+                }
+            }
+            c0 += nc;
+        }
+        for (j, gq) in qs.iter_mut().enumerate() {
+            assert_eq!(gq.out.len(), hd);
+            if sum[j] == 0.0 {
+                gq.out.fill(0.0);
+                continue;
+            }
+            let inv = _mm512_set1_ps(1.0 / sum[j]);
+            for i in 0..nv {
+                let a = _mm512_loadu_ps(accp.add(j * hd + 16 * i));
+                _mm512_storeu_ps(gq.out.as_mut_ptr().add(16 * i), _mm512_mul_ps(a, inv));
+            }
         }
     }
 

@@ -21,6 +21,7 @@ mod fmt;
 pub mod ops;
 mod pool;
 mod qact;
+pub mod vexp;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

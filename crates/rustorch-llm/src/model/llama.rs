@@ -15,7 +15,7 @@
 //! logits = rms_norm(x) * output_norm · Woutᵀ            Wout may be tied to the embedding
 //! ```
 
-use rustorch_core::kernels::attn::{attend_head, HeadAttn};
+use rustorch_core::kernels::attn::{attend_group, GroupQuery, HeadAttn};
 use rustorch_core::kernels::ops::{rms_norm, swiglu};
 use rustorch_core::kernels::{matmul, matmul_reference, QActs};
 
@@ -302,30 +302,82 @@ fn attention(
     let (hd, qd, kvd) = (hp.head_dim, hp.q_dim(), cache.kv_dim());
     let group = hp.n_head / hp.n_head_kv;
     let scale = 1.0 / (hd as f32).sqrt();
-    let n_tasks = batch.len() * hp.n_head;
+    let n = batch.len();
     let dst = SendPtr(out.as_mut_ptr());
     let isa = rustorch_core::kernels::isa();
+    // Queries of one KV head and a run of tokens of one sequence share a task, so keys and
+    // values are converted once for all of them; results do not depend on the grouping.
+    let per_tile = if n == 1 { 1 } else { (16 / group).max(1) };
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    if n > 1 {
+        let mut t0 = 0;
+        while t0 < n {
+            let mut t1 = t0 + 1;
+            while t1 < n && t1 - t0 < per_tile && batch.seq_ids[t1] == batch.seq_ids[t0] {
+                t1 += 1;
+            }
+            tiles.push((t0, t1));
+            t0 = t1;
+        }
+    }
+    let (n_tasks, heads_per_task) = if n == 1 {
+        (hp.n_head, 1)
+    } else {
+        (tiles.len() * hp.n_head_kv, group)
+    };
     rt.pool.run(n_tasks, &|task| {
         let dst = dst;
-        let (i, head) = (task / hp.n_head, task % hp.n_head);
-        let kvh = head / group;
-        let o = i * qd + head * hd;
-        // SAFETY: each task owns out[o..o+hd]; tasks are disjoint.
-        let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
-        let Some(cells) = cache.seq(batch.seq_ids[i]) else {
-            out_head.fill(0.0);
+        let (t0, t1, head0) = if n == 1 {
+            (0, 1, task)
+        } else {
+            let (t0, t1) = tiles[task / hp.n_head_kv];
+            (t0, t1, (task % hp.n_head_kv) * group)
+        };
+        let kvh = head0 / group;
+        let Some(cells) = cache.seq(batch.seq_ids[t0]) else {
+            for t in t0..t1 {
+                for head in head0..head0 + heads_per_task {
+                    // SAFETY: as below.
+                    unsafe { std::slice::from_raw_parts_mut(dst.0.add(t * qd + head * hd), hd) }.fill(0.0);
+                }
+            }
             return;
         };
-        let head_attn = HeadAttn {
-            q: &q[o..o + hd],
+        let kv = HeadAttn {
+            q: &[],
             k: &cells.k[layer],
             v: &cells.v[layer],
             stride: kvd,
             offset: kvh * hd,
             pos: &cells.pos,
-            max_pos: batch.positions[i],
+            max_pos: 0,
             scale,
         };
-        attend_head(isa, &head_attn, out_head);
+        if n == 1 {
+            let o = head0 * hd;
+            // SAFETY: each (token, head) output slice belongs to exactly one task.
+            let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
+            let mut one = [GroupQuery {
+                q: &q[o..o + hd],
+                max_pos: batch.positions[0],
+                out: out_head,
+            }];
+            attend_group(isa, &kv, &mut one);
+            return;
+        }
+        let mut queries = Vec::with_capacity((t1 - t0) * heads_per_task);
+        for t in t0..t1 {
+            for head in head0..head0 + heads_per_task {
+                let o = t * qd + head * hd;
+                // SAFETY: each (token, head) output slice belongs to exactly one task.
+                let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
+                queries.push(GroupQuery {
+                    q: &q[o..o + hd],
+                    max_pos: batch.positions[t],
+                    out: out_head,
+                });
+            }
+        }
+        attend_group(isa, &kv, &mut queries);
     });
 }
