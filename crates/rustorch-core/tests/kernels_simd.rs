@@ -369,3 +369,47 @@ fn vector_exp_exhaustive() {
     }
     assert_eq!(bad, 0);
 }
+
+/// The fused entry points (Q/K/V in one job, gate/up/SwiGLU in one job) equal separate calls.
+#[test]
+fn fused_matmuls_equal_separate_calls() {
+    use rustorch_core::kernels::{matmul, matmul_many, matmul_swiglu, ops};
+    let mut rng = Rng(123);
+    for threads in [1, 2, 3] {
+        let pool = ThreadPool::new(threads);
+        for (tq, tv, n_cols) in [
+            (GgmlType::Q4_1, GgmlType::Q4_1, 576),
+            (GgmlType::Q5_0, GgmlType::Q8_0, 896),
+            (GgmlType::Q4_K, GgmlType::Q6_K, 512),
+            (GgmlType::F16, GgmlType::Q8_0, 64),
+        ] {
+            let wq = weights(&mut rng, tq, 72, n_cols);
+            let wv = weights(&mut rng, tv, 24, n_cols);
+            let wu = weights(&mut rng, tq, 72, n_cols);
+            let mq = QMatrix { ty: tq, data: &wq, n_rows: 72, n_cols };
+            let mv = QMatrix { ty: tv, data: &wv, n_rows: 24, n_cols };
+            let mu = QMatrix { ty: tq, data: &wu, n_rows: 72, n_cols };
+            for n_tok in [1, 2, 9] {
+                let x = activations(&mut rng, n_tok * n_cols);
+                let mut qa = QActs::new();
+                let (mut a, mut b) = (vec![0f32; n_tok * 72], vec![0f32; n_tok * 24]);
+                matmul(&pool, &mq, &x, &mut a, &mut qa).unwrap();
+                matmul(&pool, &mv, &x, &mut b, &mut qa).unwrap();
+                let (mut a2, mut b2) = (vec![0f32; n_tok * 72], vec![0f32; n_tok * 24]);
+                let mut qas = Vec::new();
+                matmul_many(&pool, &[mq, mv], &x, &mut [&mut a2[..], &mut b2[..]], &mut qas).unwrap();
+                assert_eq!(a, a2, "{tq} {n_tok}");
+                assert_eq!(b, b2, "{tv} {n_tok}");
+                let mut u = vec![0f32; n_tok * 72];
+                matmul(&pool, &mu, &x, &mut u, &mut qa).unwrap();
+                ops::swiglu(&mut a, &u);
+                let (mut g3, mut u3) = (vec![0f32; n_tok * 72], vec![0f32; n_tok * 72]);
+                matmul_swiglu(&pool, &mq, &mu, &x, &mut g3, &mut u3, &mut qas).unwrap();
+                assert_eq!(u, u3, "{tq} up {n_tok}");
+                for (i, (p, r)) in a.iter().zip(&g3).enumerate() {
+                    assert!(p.to_bits() == r.to_bits(), "{tq} swiglu {n_tok} [{i}] {p} {r}");
+                }
+            }
+        }
+    }
+}

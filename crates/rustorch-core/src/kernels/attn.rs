@@ -301,13 +301,10 @@ mod x86 {
             let nc = (ncell - c0).min(CH);
             let mut masks = [0u32; MAX_Q];
             let mut any = 0u32;
+            let valid: u32 = if nc == 16 { 0xffff } else { (1u32 << nc) - 1 };
+            let pv = _mm512_maskz_loadu_epi32(valid as u16, h.pos.as_ptr().add(c0) as *const i32);
             for (j, gq) in qs.iter().enumerate() {
-                let mut mk = 0u32;
-                for c in 0..nc {
-                    if h.pos[c0 + c] <= gq.max_pos {
-                        mk |= 1 << c;
-                    }
-                }
+                let mk = _mm512_mask_cmple_epu32_mask(valid as u16, pv, _mm512_set1_epi32(gq.max_pos as i32)) as u32;
                 masks[j] = mk;
                 any |= mk;
             }
@@ -328,12 +325,15 @@ mod x86 {
                     _mm512_storeu_ps(vp.add(c * hd + 16 * i), v);
                 }
             }
+            // phase 1, per query: the 16 scores, the online-max scan (exponent arguments in
+            // cell order) and one vector exp
+            let mut ex = [[0f32; 16]; MAX_Q];
+            let mut resc = [0u32; MAX_Q];
             for j in 0..nq {
                 let mk = masks[j];
                 if mk == 0 {
                     continue;
                 }
-                // scores of the 16 cells
                 let mut z = [zero; 16];
                 for (c, zc) in z.iter_mut().enumerate().take(nc) {
                     if mk & (1 << c) == 0 {
@@ -352,9 +352,8 @@ mod x86 {
                 let sv = _mm512_mul_ps(transpose_sum16(&z), _mm512_set1_ps(h.scale));
                 let mut sc = [0f32; 16];
                 _mm512_storeu_ps(sc.as_mut_ptr(), sv);
-                // online softmax: exponent arguments in cell order, then one vector exp
                 let mut arg = [0f32; 16];
-                let mut resc = 0u32;
+                let mut rj = 0u32;
                 let mut mj = m[j];
                 for c in 0..nc {
                     if mk & (1 << c) == 0 {
@@ -363,52 +362,66 @@ mod x86 {
                     let s = sc[c];
                     if s > mj {
                         arg[c] = mj - s;
-                        resc |= 1 << c;
+                        rj |= 1 << c;
                         mj = s;
                     } else {
                         arg[c] = s - mj;
                     }
                 }
                 m[j] = mj;
-                let mut ex = [0f32; 16];
+                resc[j] = rj;
                 if vexp {
-                    _mm512_storeu_ps(ex.as_mut_ptr(), super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())));
+                    _mm512_storeu_ps(ex[j].as_mut_ptr(), super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())));
                 } else {
                     for c in 0..nc {
                         if mk & (1 << c) != 0 {
-                            ex[c] = arg[c].exp();
+                            ex[j][c] = arg[c].exp();
                         }
                     }
                 }
-                // weighted values into the f16 accumulator
-                let ap = accp.add(j * hd);
+            }
+            // phase 2: weighted values into the f16 accumulators, several queries at a time
+            // so that their (latency-bound) update chains overlap
+            let per = (16 / nv).max(1);
+            let mut j0 = 0;
+            while j0 < nq {
+                let j1 = (j0 + per).min(nq);
                 let mut a = [zero; 16];
-                for (i, ai) in a.iter_mut().enumerate().take(nv) {
-                    *ai = _mm512_loadu_ps(ap.add(16 * i));
+                for jj in 0..j1 - j0 {
+                    for i in 0..nv {
+                        a[jj * nv + i] = _mm512_loadu_ps(accp.add((j0 + jj) * hd + 16 * i));
+                    }
                 }
-                let mut sj = sum[j];
                 for c in 0..nc {
-                    if mk & (1 << c) == 0 {
-                        continue;
-                    }
-                    let (ms, vs) = if resc & (1 << c) != 0 { (ex[c], 1.0f32) } else { (1.0f32, ex[c]) };
-                    if resc & (1 << c) != 0 {
-                        let msv = _mm512_set1_ps(ms);
-                        for ai in a.iter_mut().take(nv) {
-                            *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
+                    for jj in 0..j1 - j0 {
+                        let j = j0 + jj;
+                        if masks[j] & (1 << c) == 0 {
+                            continue;
                         }
+                        let rescale = resc[j] & (1 << c) != 0;
+                        let (ms, vs) = if rescale { (ex[j][c], 1.0f32) } else { (1.0f32, ex[j][c]) };
+                        if rescale {
+                            let msv = _mm512_set1_ps(ms);
+                            for i in 0..nv {
+                                let ai = &mut a[jj * nv + i];
+                                *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
+                            }
+                        }
+                        let vsv = _mm512_set1_ps(vs);
+                        for i in 0..nv {
+                            let ai = &mut a[jj * nv + i];
+                            let t = _mm512_add_ps(*ai, _mm512_mul_ps(_mm512_loadu_ps(vp.add(c * hd + 16 * i)), vsv));
+                            *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+                        }
+                        sum[j] = sum[j] * ms + vs;
                     }
-                    let vsv = _mm512_set1_ps(vs);
-                    for (i, ai) in a.iter_mut().enumerate().take(nv) {
-                        let t = _mm512_add_ps(*ai, _mm512_mul_ps(_mm512_loadu_ps(vp.add(c * hd + 16 * i)), vsv));
-                        *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+                }
+                for jj in 0..j1 - j0 {
+                    for i in 0..nv {
+                        _mm512_storeu_ps(accp.add((j0 + jj) * hd + 16 * i), a[jj * nv + i]);
                     }
-                    sj = sj * ms + vs;
                 }
-                sum[j] = sj;
-                for (i, ai) in a.iter().enumerate().take(nv) {
-                    _mm512_storeu_ps(ap.add(16 * i), *ai);
-                }
+                j0 = j1;
             }
             c0 += nc;
         }

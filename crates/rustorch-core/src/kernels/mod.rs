@@ -35,6 +35,51 @@ use crate::quant;
 use crate::types::GgmlType;
 use fmt::ActRow;
 
+/// Expands `$body` with `$F` bound to the const format id `$f`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_fmt {
+    ($f:expr, $F:ident => $body:expr) => {
+        match $f {
+            fmt::Q4_0 => {
+                const $F: u8 = fmt::Q4_0;
+                $body
+            }
+            fmt::Q4_1 => {
+                const $F: u8 = fmt::Q4_1;
+                $body
+            }
+            fmt::Q5_0 => {
+                const $F: u8 = fmt::Q5_0;
+                $body
+            }
+            fmt::Q5_1 => {
+                const $F: u8 = fmt::Q5_1;
+                $body
+            }
+            fmt::Q8_0 => {
+                const $F: u8 = fmt::Q8_0;
+                $body
+            }
+            fmt::IQ4_NL => {
+                const $F: u8 = fmt::IQ4_NL;
+                $body
+            }
+            fmt::Q4_K => {
+                const $F: u8 = fmt::Q4_K;
+                $body
+            }
+            fmt::Q5_K => {
+                const $F: u8 = fmt::Q5_K;
+                $body
+            }
+            _ => {
+                const $F: u8 = fmt::Q6_K;
+                $body
+            }
+        }
+    };
+}
+
 /// A row-major weight matrix kept in its GGUF encoding: `n_rows` rows of `n_cols`
 /// elements (ggml's `ne[1]` × `ne[0]`).
 #[derive(Clone, Copy, Debug)]
@@ -158,6 +203,189 @@ pub fn matmul_q(pool: &ThreadPool, isa: Isa, path: MatmulPath, w: &QMatrix<'_>, 
     generic_matmul(pool, isa, w, qa, out);
 }
 
+/// Several products with one input, `outs[i] = ws[i] · x` (all `ws[i]` with the same column
+/// count): `x` is quantized once per activation type and, for a few activation rows, all
+/// products run as one parallel job (one synchronisation instead of one per matrix).
+/// `qa` is grown to hold the quantized copies. Results equal separate [`matmul`] calls.
+pub fn matmul_many(
+    pool: &ThreadPool,
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    outs: &mut [&mut [f32]],
+    qa: &mut Vec<QActs>,
+) -> Result<(), quant::QuantError> {
+    matmul_fused(pool, ws, x, outs, qa, false)
+}
+
+/// `gate = silu(wg · x) * (wu · x)` as one job for a few activation rows (the SwiGLU feed-forward
+/// input); `up` receives `wu · x`. Results equal [`matmul`] twice followed by [`ops::swiglu`].
+pub fn matmul_swiglu(
+    pool: &ThreadPool,
+    wg: &QMatrix<'_>,
+    wu: &QMatrix<'_>,
+    x: &[f32],
+    gate: &mut [f32],
+    up: &mut [f32],
+    qa: &mut Vec<QActs>,
+) -> Result<(), quant::QuantError> {
+    matmul_fused(pool, &[*wg, *wu], x, &mut [gate, up], qa, true)
+}
+
+fn matmul_fused(
+    pool: &ThreadPool,
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    outs: &mut [&mut [f32]],
+    qa: &mut Vec<QActs>,
+    glu: bool,
+) -> Result<(), quant::QuantError> {
+    let isa = isa();
+    assert_eq!(ws.len(), outs.len());
+    let n_cols = ws[0].n_cols;
+    let n_tok = x.len() / n_cols;
+    let simd_gemv = matches!(isa, Isa::Avx2 | Isa::Avx512)
+        && n_tok < GEMM_MIN_TOKENS
+        && ws.iter().all(|w| w.n_cols == n_cols && fmt::from_type(w.ty).is_some())
+        && (!glu || ws[0].n_rows == ws[1].n_rows);
+    if !simd_gemv {
+        while qa.is_empty() {
+            qa.push(QActs::new());
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul_with(pool, isa, MatmulPath::Auto, w, x, out, &mut qa[0])?;
+        }
+        if glu {
+            let (g, u) = outs.split_at_mut(1);
+            swiglu_rows(pool, isa, g[0], u[0], ws[0].n_rows);
+        }
+        return Ok(());
+    }
+    // quantize once per activation type
+    let mut slot = [0usize; 8];
+    let mut types: Vec<GgmlType> = Vec::with_capacity(ws.len());
+    for (i, w) in ws.iter().enumerate() {
+        let aty = vec_dot_type(w.ty);
+        slot[i] = match types.iter().position(|&t| t == aty) {
+            Some(k) => k,
+            None => {
+                types.push(aty);
+                if qa.len() < types.len() {
+                    qa.push(QActs::new());
+                }
+                let k = types.len() - 1;
+                qa[k].quantize(Some(pool), isa, aty, x, n_cols)?;
+                k
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let kern = |f: u8| -> GemvFn {
+            if isa == Isa::Avx512 {
+                with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::avx512::gemv_legacy::<F> })
+            } else {
+                with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::avx2::gemv_legacy::<F> })
+            }
+        };
+        struct Job {
+            kern: GemvFn,
+            base: usize,
+            rb: usize,
+            nb: usize,
+            n_rows: usize,
+            groups: usize,
+            per: usize,
+            first_task: usize,
+        }
+        let mut jobs: Vec<Job> = Vec::with_capacity(ws.len());
+        let mut n_tasks = 0;
+        let total_groups: usize = ws.iter().map(|w| w.n_rows.div_ceil(8)).sum();
+        let per_all = total_groups.div_ceil(pool.n_threads() * 4).max(2);
+        for (i, w) in ws.iter().enumerate() {
+            let f = fmt::from_type(w.ty).unwrap_or(fmt::Q8_0);
+            let groups = w.n_rows.div_ceil(8);
+            let per = if glu { jobs.first().map_or(per_all, |j: &Job| j.per) } else { per_all };
+            let tasks = if glu && i == 1 { 0 } else { groups.div_ceil(per) };
+            jobs.push(Job {
+                kern: kern(f),
+                base: w.data.as_ptr() as usize,
+                rb: w.row_bytes(),
+                nb: w.n_cols / fmt::block_len(f),
+                n_rows: w.n_rows,
+                groups,
+                per,
+                first_task: n_tasks,
+            });
+            n_tasks += tasks;
+        }
+        let dsts: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+        let qa: &Vec<QActs> = qa;
+        let run_groups = |i: usize, g0: usize, g1: usize| {
+            let j = &jobs[i];
+            let q = &qa[slot[i]];
+            for g in g0..g1 {
+                let r0 = 8 * g;
+                let nr = (j.n_rows - r0).min(8);
+                for t in 0..n_tok {
+                    // SAFETY: rows r0..r0+nr exist; outputs (t, r0..r0+nr) belong to this task.
+                    unsafe {
+                        (j.kern)(
+                            (j.base as *const u8).add(r0 * j.rb),
+                            j.rb,
+                            nr,
+                            j.nb,
+                            act_row(q, t),
+                            dsts[i].0.add(t * j.n_rows + r0),
+                        )
+                    };
+                }
+            }
+        };
+        pool.run(n_tasks, &|task| {
+            let i = jobs.iter().rposition(|j| j.first_task <= task && (j.groups > 0)).unwrap_or(0);
+            let i = if glu { 0 } else { i };
+            let j = &jobs[i];
+            let k = task - j.first_task;
+            let (g0, g1) = (k * j.per, ((k + 1) * j.per).min(j.groups));
+            run_groups(i, g0, g1);
+            if glu {
+                run_groups(1, g0, g1);
+                let n_rows = j.n_rows;
+                let (r0, r1) = (8 * g0, (8 * g1).min(n_rows));
+                for t in 0..n_tok {
+                    // SAFETY: this task owns rows r0..r1 of both outputs for every token.
+                    let (g, u) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(dsts[0].0.add(t * n_rows + r0), r1 - r0),
+                            std::slice::from_raw_parts(dsts[1].0.add(t * n_rows + r0), r1 - r0),
+                        )
+                    };
+                    vexp::swiglu(isa, g, u);
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+/// `gate = silu(gate) * up` over rows of `n` values, split over the pool for large inputs.
+fn swiglu_rows(pool: &ThreadPool, isa: Isa, gate: &mut [f32], up: &[f32], n: usize) {
+    let n_tok = gate.len() / n.max(1);
+    if n_tok < 4 {
+        vexp::swiglu(isa, gate, up);
+        return;
+    }
+    let dst = SendPtr(gate.as_mut_ptr());
+    let (n_tasks, per) = split(pool, n_tok, 1);
+    pool.run(n_tasks, &|task| {
+        let dst = dst;
+        let (t0, t1) = (task * per, ((task + 1) * per).min(n_tok));
+        // SAFETY: tasks own disjoint token rows.
+        let g = unsafe { std::slice::from_raw_parts_mut(dst.0.add(t0 * n), (t1 - t0) * n) };
+        vexp::swiglu(isa, g, &up[t0 * n..t1 * n]);
+    });
+}
+
 fn act_row(qa: &QActs, t: usize) -> ActRow {
     let nb = qa.nb;
     // SAFETY (of later reads): `t < n_rows`; side arrays are empty where the format has none
@@ -216,51 +444,6 @@ fn matmul_dequant(pool: &ThreadPool, w: &QMatrix<'_>, x: &[f32], out: &mut [f32]
         }
     });
     Ok(())
-}
-
-/// Expands `$body` with `$F` bound to the const format id `$f`.
-#[cfg(target_arch = "x86_64")]
-macro_rules! with_fmt {
-    ($f:expr, $F:ident => $body:expr) => {
-        match $f {
-            fmt::Q4_0 => {
-                const $F: u8 = fmt::Q4_0;
-                $body
-            }
-            fmt::Q4_1 => {
-                const $F: u8 = fmt::Q4_1;
-                $body
-            }
-            fmt::Q5_0 => {
-                const $F: u8 = fmt::Q5_0;
-                $body
-            }
-            fmt::Q5_1 => {
-                const $F: u8 = fmt::Q5_1;
-                $body
-            }
-            fmt::Q8_0 => {
-                const $F: u8 = fmt::Q8_0;
-                $body
-            }
-            fmt::IQ4_NL => {
-                const $F: u8 = fmt::IQ4_NL;
-                $body
-            }
-            fmt::Q4_K => {
-                const $F: u8 = fmt::Q4_K;
-                $body
-            }
-            fmt::Q5_K => {
-                const $F: u8 = fmt::Q5_K;
-                $body
-            }
-            _ => {
-                const $F: u8 = fmt::Q6_K;
-                $body
-            }
-        }
-    };
 }
 
 #[cfg(target_arch = "x86_64")]

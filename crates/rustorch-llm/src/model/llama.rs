@@ -16,8 +16,8 @@
 //! ```
 
 use rustorch_core::kernels::attn::{attend_group, GroupQuery, HeadAttn};
-use rustorch_core::kernels::ops::{rms_norm, swiglu};
-use rustorch_core::kernels::{matmul, matmul_reference, QActs};
+use rustorch_core::kernels::ops::rms_norm;
+use rustorch_core::kernels::{isa, matmul, matmul_many, matmul_reference, matmul_swiglu, vexp, QActs};
 
 use super::{Arch, ForwardOutput, HParams, LayerStat, Loader, ModelError, Runtime, Weight};
 use crate::batch::Batch;
@@ -38,7 +38,34 @@ struct Layer {
     w_down: Weight,
 }
 
+/// Activation buffers kept between forward calls, so decoding allocates nothing per token
+/// besides the returned logits.
+#[derive(Default)]
+struct Workspace {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    cells: Vec<usize>,
+    hout: Vec<f32>,
+    qa: Vec<QActs>,
+}
+
+/// `v` holding exactly `n` values (contents unspecified: every caller overwrites them).
+fn resized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.resize(n, 0.0);
+    &mut v[..n]
+}
+
 pub(crate) struct Llama {
+    ws: std::sync::Mutex<Workspace>,
     tok_embd: Weight,
     layers: Vec<Layer>,
     output_norm: Vec<f32>,
@@ -82,6 +109,7 @@ impl Llama {
             });
         }
         Ok(Llama {
+            ws: std::sync::Mutex::new(Workspace::default()),
             tok_embd,
             layers,
             output_norm: ld.vector("output_norm.weight", e)?,
@@ -104,26 +132,50 @@ impl Llama {
     ) -> Result<ForwardOutput, ModelError> {
         let n = batch.len();
         let (e, qd, kvd, hd) = (hp.n_embd, hp.q_dim(), hp.kv_dim(), hp.head_dim);
-        let mut scratch = QActs::new();
-        let mm = |w: &Weight, x: &[f32], out: &mut [f32], scratch: &mut QActs| {
+        // Buffers are reused from call to call (a concurrent call gets fresh ones).
+        let mut own = None;
+        let mut guard = self.ws.try_lock();
+        let ws: &mut Workspace = match guard {
+            Ok(ref mut g) => g,
+            Err(_) => own.insert(Workspace::default()),
+        };
+        let Workspace {
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate,
+            up,
+            cos,
+            sin,
+            cells,
+            hout,
+            qa,
+        } = ws;
+        if qa.is_empty() {
+            qa.push(QActs::new());
+        }
+        let mm = |w: &Weight, x: &[f32], out: &mut [f32], qa: &mut Vec<QActs>| {
             let m = w.view(bytes);
             if rt.reference {
                 matmul_reference(&m, x, out)
             } else {
-                matmul(&rt.pool, &m, x, out, scratch)
+                matmul(&rt.pool, &m, x, out, &mut qa[0])
             }
         };
 
         // Reserve one cache cell per token, at the position the caller gave.
         cache.check_room(n)?;
-        let cells: Vec<usize> = (0..n)
-            .map(|i| cache.add_cell(batch.seq_ids[i], batch.positions[i]))
-            .collect();
+        cells.clear();
+        cells.extend((0..n).map(|i| cache.add_cell(batch.seq_ids[i], batch.positions[i])));
 
         // Rotation angles per token.
         let half = hp.rope.n_rot / 2;
-        let mut cos = vec![0f32; n * half];
-        let mut sin = vec![0f32; n * half];
+        let cos = resized(cos, n * half);
+        let sin = resized(sin, n * half);
         for i in 0..n {
             hp.rope.angles(
                 batch.positions[i] as f32,
@@ -134,45 +186,53 @@ impl Llama {
         }
 
         // x = embed(tokens)
-        let mut x = vec![0f32; n * e];
+        let x = resized(x, n * e);
         let embd = self.tok_embd.view(bytes);
         for (i, &t) in batch.tokens.iter().enumerate() {
             embd.dequantize_row(t as usize, &mut x[i * e..(i + 1) * e])?;
         }
 
-        let mut h = vec![0f32; n * e];
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        let mut attn = vec![0f32; n * qd];
-        let mut proj = vec![0f32; n * e];
-        let mut gate = vec![0f32; n * hp.n_ff];
-        let mut up = vec![0f32; n * hp.n_ff];
+        let h = resized(h, n * e);
+        let q = resized(q, n * qd);
+        let k = resized(k, n * kvd);
+        let v = resized(v, n * kvd);
+        let attn = resized(attn, n * qd);
+        let proj = resized(proj, n * e);
+        let gate = resized(gate, n * hp.n_ff);
+        let up = resized(up, n * hp.n_ff);
+        // one parallel job for Q/K/V and one for gate/up/SwiGLU (same results as separate calls)
+        let fuse = !rt.reference;
+        let pool = &rt.pool;
         let mut stats = Vec::new();
         let hook = |name: &str, il: usize, x: &[f32]| {
             if let Some(h) = rt.tensor_hook.as_ref() {
                 h(name, il, x);
             }
         };
-        hook("embd", 0, &x);
+        hook("embd", 0, x);
 
         for (il, layer) in self.layers.iter().enumerate() {
             // h = rms_norm(x) * attn_norm
-            h.copy_from_slice(&x);
+            h.copy_from_slice(x);
             for row in h.chunks_exact_mut(e) {
                 rms_norm(row, &layer.attn_norm, hp.rms_eps);
             }
-            hook("attn_norm", il, &h);
+            hook("attn_norm", il, h);
             // q, k, v projections (+ bias)
-            mm(&layer.wq, &h, &mut q, &mut scratch)?;
-            mm(&layer.wk, &h, &mut k, &mut scratch)?;
-            mm(&layer.wv, &h, &mut v, &mut scratch)?;
-            add_bias(&mut q, layer.bq.as_deref());
-            add_bias(&mut k, layer.bk.as_deref());
-            add_bias(&mut v, layer.bv.as_deref());
-            hook("Qcur", il, &q);
-            hook("Kcur", il, &k);
-            hook("Vcur", il, &v);
+            if fuse {
+                let ws = [layer.wq.view(bytes), layer.wk.view(bytes), layer.wv.view(bytes)];
+                matmul_many(pool, &ws, h, &mut [&mut q[..], &mut k[..], &mut v[..]], qa)?;
+            } else {
+                mm(&layer.wq, h, q, qa)?;
+                mm(&layer.wk, h, k, qa)?;
+                mm(&layer.wv, h, v, qa)?;
+            }
+            add_bias(q, layer.bq.as_deref());
+            add_bias(k, layer.bk.as_deref());
+            add_bias(v, layer.bv.as_deref());
+            hook("Qcur", il, q);
+            hook("Kcur", il, k);
+            hook("Vcur", il, v);
             // rotate q and k by each token's own position
             for i in 0..n {
                 let (c, s) = (
@@ -186,8 +246,8 @@ impl Llama {
                     hp.rope.apply(head, c, s);
                 }
             }
-            hook("Qcur_rope", il, &q);
-            hook("Kcur_rope", il, &k);
+            hook("Qcur_rope", il, q);
+            hook("Kcur_rope", il, k);
             // store k, v in the cache, then attend
             for i in 0..n {
                 cache.write(
@@ -198,30 +258,35 @@ impl Llama {
                     &v[i * kvd..(i + 1) * kvd],
                 );
             }
-            attention(hp, il, batch, cache, &q, &mut attn, rt);
-            hook("kqv_out", il, &attn);
+            attention(hp, il, batch, cache, q, attn, rt);
+            hook("kqv_out", il, attn);
             // x = x + attn·Wo
-            mm(&layer.wo, &attn, &mut proj, &mut scratch)?;
-            hook("attn_out", il, &proj);
-            add_into(&mut x, &proj);
-            hook("ffn_inp", il, &x);
+            mm(&layer.wo, attn, proj, qa)?;
+            hook("attn_out", il, proj);
+            add_into(x, proj);
+            hook("ffn_inp", il, x);
 
             // feed-forward: x = x + (silu(h·Wgate) ⊙ h·Wup)·Wdown
-            h.copy_from_slice(&x);
+            h.copy_from_slice(x);
             for row in h.chunks_exact_mut(e) {
                 rms_norm(row, &layer.ffn_norm, hp.rms_eps);
             }
-            hook("ffn_norm", il, &h);
-            mm(&layer.w_gate, &h, &mut gate, &mut scratch)?;
-            mm(&layer.w_up, &h, &mut up, &mut scratch)?;
-            hook("ffn_gate", il, &gate);
-            hook("ffn_up", il, &up);
-            swiglu(&mut gate, &up);
-            hook("ffn_swiglu", il, &gate);
-            mm(&layer.w_down, &gate, &mut proj, &mut scratch)?;
-            hook("ffn_out", il, &proj);
-            add_into(&mut x, &proj);
-            hook("l_out", il, &x);
+            hook("ffn_norm", il, h);
+            if fuse && rt.tensor_hook.is_none() {
+                let (wg, wu) = (layer.w_gate.view(bytes), layer.w_up.view(bytes));
+                matmul_swiglu(pool, &wg, &wu, h, gate, up, qa)?;
+            } else {
+                mm(&layer.w_gate, h, gate, qa)?;
+                mm(&layer.w_up, h, up, qa)?;
+                hook("ffn_gate", il, gate);
+                hook("ffn_up", il, up);
+                vexp::swiglu(isa(), gate, up);
+            }
+            hook("ffn_swiglu", il, gate);
+            mm(&layer.w_down, gate, proj, qa)?;
+            hook("ffn_out", il, proj);
+            add_into(x, proj);
+            hook("l_out", il, x);
 
             if rt.dump_layers {
                 for (i, row) in x.chunks_exact(e).enumerate() {
@@ -232,15 +297,15 @@ impl Llama {
 
         // logits for the tokens that asked for them
         let rows: Vec<usize> = (0..n).filter(|&i| batch.logits[i]).collect();
-        let mut hout = Vec::with_capacity(rows.len() * e);
+        hout.clear();
         for &i in &rows {
-            let mut row = x[i * e..(i + 1) * e].to_vec();
-            rms_norm(&mut row, &self.output_norm, hp.rms_eps);
-            hout.extend_from_slice(&row);
+            let start = hout.len();
+            hout.extend_from_slice(&x[i * e..(i + 1) * e]);
+            rms_norm(&mut hout[start..], &self.output_norm, hp.rms_eps);
         }
         let mut logits = vec![0f32; rows.len() * hp.n_vocab];
         if !rows.is_empty() {
-            mm(&self.output, &hout, &mut logits, &mut scratch)?;
+            mm(&self.output, hout, &mut logits, qa)?;
         }
         Ok(ForwardOutput {
             logits,

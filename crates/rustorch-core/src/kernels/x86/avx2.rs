@@ -93,6 +93,7 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
         let av = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
         let mut v = [_mm256_setzero_si256(); 8];
         for r in 0..8 {
+            _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add(8 * rb + b * bs) as *const i8);
             let u = unpack_legacy::<F>(rp[r].add(b * bs));
             v[r] = if signed(F) { dot4::<true>(u, av) } else { dot4::<false>(u, av) };
         }
@@ -145,6 +146,7 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
     let bs = block_bytes(F);
     let m4 = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
+    let pf = (8192 / rb.max(1)).max(1) * rb;
     for r in 0..nrows {
         let row = w.add(r * rb);
         let mut sum = 0f32;
@@ -152,6 +154,11 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
             let x = row.add(sb * bs);
             let y = a.q.add(sb * 292);
             let yd = *a.d.add(sb);
+            let mut l = 0;
+            while l < bs {
+                _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(pf + l) as *const i8);
+                l += 64;
+            }
             let mut acc = _mm256_setzero_si256();
             if F == Q6_K {
                 let sc = std::slice::from_raw_parts(x.add(192), 16);

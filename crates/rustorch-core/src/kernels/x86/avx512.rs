@@ -17,6 +17,7 @@ use std::arch::x86_64::*;
 use super::{iq4nl_table, rd_i32, rd_u16, rd_u32};
 use crate::kernels::fmt::*;
 
+/// How far ahead (in blocks) the GEMV prefetches each weight row.
 /// Zero point of the unpacked bytes as this family stores them.
 const fn off512(f: u8) -> i32 {
     if signed(f) {
@@ -135,6 +136,9 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
         let zero = _mm512_setzero_si512();
         let mut z = [zero; 8];
         for r in 0..8 {
+            // the same place one row group further on: the next group arrives while this
+            // one is computed
+            _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add(8 * rb + b * bs) as *const i8);
             let wz = unpack2::<F>(rp[r].add(b * bs), rp[r].add(b1 * bs));
             z[r] = _mm512_dpbusd_epi32(zero, wz, av);
         }
@@ -232,6 +236,8 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
         let hi = _mm256_set1_epi8((2u8 << (2 * k)) as i8);
         _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
     });
+    // rows stream one after another: prefetch about 8 KiB ahead
+    let pf = (8192 / rb.max(1)).max(1) * rb;
     for r in 0..nrows {
         let row = w.add(r * rb);
         let mut sum = 0f32;
@@ -239,6 +245,11 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
             let x = row.add(sb * bs);
             let y = a.q.add(sb * 292);
             let yd = *a.d.add(sb);
+            let mut l = 0;
+            while l < bs {
+                _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(pf + l) as *const i8);
+                l += 64;
+            }
             let mut acc = _mm512_setzero_si512();
             if F == Q6_K {
                 let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Side-by-side speed of `rustorch bench` and llama.cpp's `llama-bench` on the same models,
+# with the same -p/-n/-t/-r, run alternately (ours, llama.cpp, ours, llama.cpp, ...) so that
+# both see the same machine load. Prints one table of medians over all samples of all
+# rounds and the ratio ours / llama.cpp, plus load time (llama.cpp: `llama-completion`'s
+# "load time") and peak RSS of each bench process (/usr/bin/time).
+#
+#   scripts/compare-llama-bench.sh [-m MODEL]... [-p 512] [-n 128] [-t 2] [-r 5] [--rounds 2]
+#                                  [--json-dir DIR]
+#
+# llama.cpp is built with scripts/build-llama-cpp.sh when llama-bench is missing; rustorch
+# with `cargo build --release -p rustorch-cli` (CARGO_TARGET_DIR is honoured).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+models=()
+p=512
+n=128
+t=2
+r=5
+rounds=2
+json_dir=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -m) models+=("$2"); shift 2 ;;
+    -p) p="$2"; shift 2 ;;
+    -n) n="$2"; shift 2 ;;
+    -t) t="$2"; shift 2 ;;
+    -r) r="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --json-dir) json_dir="$2"; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+if [ ${#models[@]} -eq 0 ]; then
+  models=(models/SmolLM2-135M-Instruct.Q4_1.gguf
+          models/qwen2.5-coder-0.5b-instruct-q4km.gguf
+          models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf)
+fi
+
+cache="${RUSTORCH_CACHE:-$HOME/.cache/rustorch}"
+lbin="$cache/lcpp-build/bin"
+if [ ! -x "$lbin/llama-bench" ]; then
+  scripts/build-llama-cpp.sh
+fi
+cargo build --release -p rustorch-cli >&2
+ours="${CARGO_TARGET_DIR:-target}/release/rustorch"
+
+out="${json_dir:-$(mktemp -d)}"
+mkdir -p "$out"
+timer=()
+if [ -x /usr/bin/time ]; then timer=(/usr/bin/time -f "%M"); fi
+
+# run CMD... > $1 (stdout), peak RSS (KiB) > $1.rss
+measure() {
+  local dst="$1"; shift
+  if [ ${#timer[@]} -gt 0 ]; then
+    "${timer[@]}" -o "$dst.rss" "$@" > "$dst" 2> "$dst.err"
+  else
+    "$@" > "$dst" 2> "$dst.err"; echo 0 > "$dst.rss"
+  fi
+}
+
+for round in $(seq 1 "$rounds"); do
+  for i in "${!models[@]}"; do
+    m="${models[$i]}"
+    [ -f "$m" ] || { echo "missing model $m" >&2; exit 1; }
+    echo "round $round: $m" >&2
+    measure "$out/ours-$round-$i.json" "$ours" bench -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
+    measure "$out/lcpp-$round-$i.json" "$lbin/llama-bench" -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
+    LD_LIBRARY_PATH="$lbin" "$lbin/llama-completion" -m "$m" -p "Hello" -n 1 --no-warmup -t "$t" \
+      -no-cnv > /dev/null 2> "$out/lcpp-load-$round-$i.txt" < /dev/null || true
+  done
+done
+
+python3 - "$out" "$rounds" "${models[@]}" <<'EOF'
+import json, os, re, statistics, sys
+out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+rows = []
+extra = []
+for i, m in enumerate(models):
+    ours, lcpp, ours_rss, lcpp_rss, ours_load, lcpp_load = {}, {}, [], [], [], []
+    file_size, kv = 0, 0
+    for rd in range(1, rounds + 1):
+        for name, dst, rss in (("ours", ours, ours_rss), ("lcpp", lcpp, lcpp_rss)):
+            base = f"{out}/{name}-{rd}-{i}.json"
+            for rec in load(base):
+                key = f"pp{rec['n_prompt']}" if rec["n_gen"] == 0 else f"tg{rec['n_gen']}"
+                dst.setdefault(key, []).extend(rec["samples_ts"])
+                if name == "ours":
+                    ours_load.append(rec["load_ms"])
+                    file_size, kv = rec["file_size"], max(kv, rec["kv_cache_bytes"])
+            try:
+                rss.append(int(open(base + ".rss").read().split()[-1]) * 1024)
+            except (OSError, ValueError, IndexError):
+                pass
+        txt = open(f"{out}/lcpp-load-{rd}-{i}.txt", errors="replace").read()
+        mm = re.search(r"load time =\s*([0-9.]+) ms", txt)
+        if mm:
+            lcpp_load.append(float(mm.group(1)))
+    name = os.path.basename(m)
+    for key in sorted(ours, key=lambda k: (k[:2] != "pp", k)):
+        a, b = statistics.median(ours[key]), statistics.median(lcpp.get(key, [float("nan")]))
+        rows.append((name, key, a, b, a / b))
+    ol = statistics.median(ours_load) if ours_load else float("nan")
+    ll = statistics.median(lcpp_load) if lcpp_load else float("nan")
+    orss = max(ours_rss) if ours_rss else 0
+    lrss = max(lcpp_rss) if lcpp_rss else 0
+    extra.append((name, ol, ll, orss, lrss, file_size + kv + 64 * 2**20))
+print("| model | test | rustorch t/s | llama.cpp t/s | ratio |")
+print("| --- | --- | ---: | ---: | ---: |")
+for name, key, a, b, q in rows:
+    print(f"| {name} | {key} | {a:.2f} | {b:.2f} | {q:.2f} |")
+print()
+print("| model | load rustorch (ms) | load llama.cpp (ms) | peak RSS rustorch (MiB) | peak RSS llama-bench (MiB) | RSS budget file+KV+64 MiB |")
+print("| --- | ---: | ---: | ---: | ---: | ---: |")
+for name, ol, ll, orss, lrss, budget in extra:
+    print(f"| {name} | {ol:.1f} | {ll:.1f} | {orss / 2**20:.1f} | {lrss / 2**20:.1f} | {budget / 2**20:.1f} |")
+print()
+print(f"medians over {rounds} alternating rounds; raw JSON in {out}")
+EOF
