@@ -25,10 +25,20 @@ pub struct Args {
     #[arg(short = 'm', long = "model")]
     pub model: Vec<PathBuf>,
     /// Prompt lengths to test (comma-separated; 0 = no prompt test)
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
     pub n_prompt: Vec<usize>,
     /// Generation lengths to test (comma-separated; 0 = no generation test)
-    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
     pub n_gen: Vec<usize>,
     /// Repetitions of each test
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
@@ -166,7 +176,9 @@ fn ftype_name(g: &GgufFile) -> String {
         }
     }
     by_type.sort_by_key(|e| std::cmp::Reverse(e.1));
-    by_type.first().map_or_else(String::new, |e| e.0.to_string())
+    by_type
+        .first()
+        .map_or_else(String::new, |e| e.0.to_string())
 }
 
 fn human_params(n: u64) -> String {
@@ -230,7 +242,8 @@ impl Lcg {
 
 fn load_model(path: &Path) -> anyhow::Result<(Model, ModelInfo)> {
     let t0 = Instant::now();
-    let gguf = Arc::new(GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?);
+    let gguf =
+        Arc::new(GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?);
     let model = Model::load(gguf.clone()).context("loading the model")?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let hp = model.hparams();
@@ -238,7 +251,12 @@ fn load_model(path: &Path) -> anyhow::Result<(Model, ModelInfo)> {
     let n_params: u64 = gguf.tensors().iter().map(|t| t.n_elements()).sum();
     let info = ModelInfo {
         filename: path.display().to_string(),
-        model_type: format!("{} {} {}", hp.arch_name, size_label(n_params), ftype_name(&gguf)),
+        model_type: format!(
+            "{} {} {}",
+            hp.arch_name,
+            size_label(n_params),
+            ftype_name(&gguf)
+        ),
         size,
         n_params,
         load_ms,
@@ -250,7 +268,14 @@ fn load_model(path: &Path) -> anyhow::Result<(Model, ModelInfo)> {
     Ok((model, info))
 }
 
-fn run_test(model: &Model, rt: &Runtime, n_prompt: usize, n_gen: usize, reps: usize, warmup: bool) -> anyhow::Result<Vec<u64>> {
+fn run_test(
+    model: &Model,
+    rt: &Runtime,
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+    warmup: bool,
+) -> anyhow::Result<Vec<u64>> {
     let n_vocab = model.hparams().n_vocab as u32;
     let mut rng = Lcg(42);
     let n_ctx = n_prompt + n_gen;
@@ -259,7 +284,11 @@ fn run_test(model: &Model, rt: &Runtime, n_prompt: usize, n_gen: usize, reps: us
         let mut cache = model.new_cache(n_ctx.max(1));
         let t0 = Instant::now();
         if n_prompt > 0 {
-            model.forward(&Batch::from_prompt(&prompt[..n_prompt], 0, 0, false), &mut cache, rt)?;
+            model.forward(
+                &Batch::from_prompt(&prompt[..n_prompt], 0, 0, false),
+                &mut cache,
+                rt,
+            )?;
         }
         let mut b = Batch::new();
         for i in 0..n_gen {
@@ -277,7 +306,9 @@ fn run_test(model: &Model, rt: &Runtime, n_prompt: usize, n_gen: usize, reps: us
             run_once(0, 1, &mut rng)?;
         }
     }
-    (0..reps).map(|_| run_once(n_prompt, n_gen, &mut rng)).collect()
+    (0..reps)
+        .map(|_| run_once(n_prompt, n_gen, &mut rng))
+        .collect()
 }
 
 fn to_json(r: &TestResult, cpu: &str) -> Value {
@@ -328,12 +359,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let models: Vec<PathBuf> = if args.model.is_empty() {
         vec![common::resolve_model(None)?]
     } else {
-        args.model.iter().map(|m| common::resolve_model(Some(m))).collect::<Result<_, _>>()?
+        args.model
+            .iter()
+            .map(|m| common::resolve_model(Some(m)))
+            .collect::<Result<_, _>>()?
     };
     let threads: Vec<usize> = if args.threads.is_empty() {
         vec![common::threads(None)]
     } else {
-        args.threads.iter().map(|&t| common::threads(Some(t))).collect()
+        args.threads
+            .iter()
+            .map(|&t| common::threads(Some(t)))
+            .collect()
     };
     let reps = args.repetitions.max(1);
     let cpu = cpu_info();

@@ -78,7 +78,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         for i in first..n_ctx - 1 {
             let logits = fwd.logits_for(i, nv).context("missing logits row")?;
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + logits
+                    .iter()
+                    .map(|&l| (l as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             let lp = logits[chunk[i + 1] as usize] as f64 - lse;
             nll -= lp;
             nll2 += lp * lp;

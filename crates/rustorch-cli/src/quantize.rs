@@ -55,14 +55,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )
         })?;
     if args.output.exists() && !args.force {
-        bail!("'{}' exists; pass --force to overwrite it", args.output.display());
+        bail!(
+            "'{}' exists; pass --force to overwrite it",
+            args.output.display()
+        );
     }
     let src = GgufFile::open(&args.input)?;
     let mut w = GgufWriter::new();
     for (k, v) in src.metadata() {
         w.add(k.clone(), v.clone());
     }
-    w.add("general.file_type", Value::U32(file_type(target).unwrap_or(0)));
+    w.add(
+        "general.file_type",
+        Value::U32(file_type(target).unwrap_or(0)),
+    );
     w.add("general.quantization_version", Value::U32(2));
     let (mut converted, mut kept) = (0usize, 0usize);
     let t0 = std::time::Instant::now();

@@ -12,7 +12,10 @@ fn model() -> Option<PathBuf> {
     if p.exists() {
         Some(p)
     } else {
-        eprintln!("SKIPPED: {} is absent (run scripts/fetch-models.sh --all)", p.display());
+        eprintln!(
+            "SKIPPED: {} is absent (run scripts/fetch-models.sh --all)",
+            p.display()
+        );
         None
     }
 }
@@ -23,7 +26,8 @@ fn repl_remembers_clears_and_interrupts() -> Result<(), rexpect::error::Error> {
         return Ok(());
     };
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rustorch"));
-    cmd.args(["chat", "--temp", "0", "-c", "2048", "-m"]).arg(&model);
+    cmd.args(["chat", "--temp", "0", "-c", "2048", "-m"])
+        .arg(&model);
     let mut p = spawn_command(cmd, Some(180_000))?;
     p.exp_string("/help for commands")?;
     p.exp_string("> ")?;
@@ -33,7 +37,10 @@ fn repl_remembers_clears_and_interrupts() -> Result<(), rexpect::error::Error> {
     p.exp_string("> ")?;
     p.send_line("What is my name?")?;
     let reply = p.exp_string("> ")?;
-    assert!(reply.contains("Alice"), "second turn did not recall the first: {reply:?}");
+    assert!(
+        reply.contains("Alice"),
+        "second turn did not recall the first: {reply:?}"
+    );
 
     // /clear forgets
     p.send_line("/clear")?;

@@ -12,7 +12,10 @@ fn model(file: &str) -> Option<PathBuf> {
     if p.exists() {
         Some(p)
     } else {
-        eprintln!("SKIPPED: {} is absent (run scripts/fetch-models.sh --all)", p.display());
+        eprintln!(
+            "SKIPPED: {} is absent (run scripts/fetch-models.sh --all)",
+            p.display()
+        );
         None
     }
 }
@@ -41,14 +44,25 @@ fn capital_of_france_on_the_default_model() {
         return;
     }
     // no -m: the default model
-    let o = rustorch(&["run", "-p", "The capital of France is", "-n", "16", "--temp", "0"]);
+    let o = rustorch(&[
+        "run",
+        "-p",
+        "The capital of France is",
+        "-n",
+        "16",
+        "--temp",
+        "0",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
     assert!(text.contains("Paris"), "{text:?}");
     assert!(!text.contains("[end of text]"));
     // timings go to stderr, like llama.cpp's
     let err = stderr(&o);
-    assert!(err.contains("prompt eval time") && err.contains("tokens per second"), "{err}");
+    assert!(
+        err.contains("prompt eval time") && err.contains("tokens per second"),
+        "{err}"
+    );
 }
 
 /// Runs `rustorch run --chat` on every case of tests/fixtures/chat_answers.json
@@ -87,7 +101,11 @@ fn chat_cases() -> Vec<(serde_json::Value, Vec<u64>, String)> {
             .expect("--verbose-prompt line");
         let list = &line[line.find('[').expect("[")..];
         let ours: Vec<u64> = serde_json::from_str(list).expect("token list");
-        out.push((c.clone(), ours, stdout(&o).trim_end_matches('\n').to_string()));
+        out.push((
+            c.clone(),
+            ours,
+            stdout(&o).trim_end_matches('\n').to_string(),
+        ));
     }
     out
 }
@@ -104,9 +122,16 @@ fn chat_prompt_tokens_equal_llama_cpp() {
             .iter()
             .map(|t| t.as_u64().expect("id"))
             .collect();
-        assert_eq!(ours, &expected, "{}: rendered prompt tokens differ", c["model"]);
+        assert_eq!(
+            ours, &expected,
+            "{}: rendered prompt tokens differ",
+            c["model"]
+        );
     }
-    eprintln!("{} chat prompts tokenized exactly as llama.cpp does", cases.len());
+    eprintln!(
+        "{} chat prompts tokenized exactly as llama.cpp does",
+        cases.len()
+    );
 }
 
 /// The acceptance questions: "Paris" from SmolLM2 with the system prompt and from
@@ -127,7 +152,13 @@ fn chat_answers_paris() {
 #[ignore = "needs bit-exact forward pass parity (docs/parity.md): answers drift after a few tokens on 3 of 6 cases"]
 fn chat_answers_equal_llama_cpp() {
     for (c, _, answer) in chat_cases() {
-        assert_eq!(answer, c["answer"].as_str().expect("answer"), "{} {:?}", c["model"], c["system"]);
+        assert_eq!(
+            answer,
+            c["answer"].as_str().expect("answer"),
+            "{} {:?}",
+            c["model"],
+            c["system"]
+        );
     }
 }
 
@@ -138,7 +169,17 @@ fn seeded_runs_repeat_and_seeds_differ() {
     }
     let go = |seed: &str, threads: &str| {
         let o = rustorch(&[
-            "run", "-p", "Once upon a time", "-n", "24", "--temp", "0.8", "-s", seed, "-t", threads,
+            "run",
+            "-p",
+            "Once upon a time",
+            "-n",
+            "24",
+            "--temp",
+            "0.8",
+            "-s",
+            seed,
+            "-t",
+            threads,
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
         stdout(&o)
@@ -159,7 +200,11 @@ fn bad_input_gives_clear_errors() {
 
     let o = rustorch(&["run", "-f", "/nonexistent/prompt.txt"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("cannot read prompt file"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot read prompt file"),
+        "{}",
+        stderr(&o)
+    );
 
     if model(SMOL).is_none() {
         return;
@@ -171,11 +216,19 @@ fn bad_input_gives_clear_errors() {
 
     let o = rustorch(&["run", "-c", "32", "-n", "100", "-p", "hello"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("exceeds the context size 32"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("exceeds the context size 32"),
+        "{}",
+        stderr(&o)
+    );
 
     let long = "word ".repeat(100);
     let o = rustorch(&["run", "-c", "16", "-p", &long]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("context holds only 16"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("context holds only 16"),
+        "{}",
+        stderr(&o)
+    );
     assert!(!stderr(&o).contains("panicked"));
 }

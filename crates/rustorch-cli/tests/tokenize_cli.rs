@@ -10,7 +10,10 @@ fn run(extra: &[&str]) -> Option<String> {
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let model = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if !model.exists() {
-        eprintln!("SKIPPED: {} is absent (run scripts/fetch-models.sh)", model.display());
+        eprintln!(
+            "SKIPPED: {} is absent (run scripts/fetch-models.sh)",
+            model.display()
+        );
         return None;
     }
     let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))

@@ -7,7 +7,9 @@
 
 use std::time::Instant;
 
-use rustorch_core::kernels::{matmul_q, quantize_simd, vec_dot_type, Isa, MatmulPath, QActs, QMatrix, ThreadPool};
+use rustorch_core::kernels::{
+    matmul_q, quantize_simd, vec_dot_type, Isa, MatmulPath, QActs, QMatrix, ThreadPool,
+};
 use rustorch_core::quant;
 use rustorch_core::GgmlType;
 
@@ -52,7 +54,10 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     let mut threads = 1;
     let mut filter = String::new();
     let mut i = 0;
@@ -81,7 +86,12 @@ fn main() {
         GgmlType::F16,
     ];
     for ty in types {
-        if !filter.is_empty() && !ty.to_string().to_lowercase().contains(&filter.to_lowercase()) {
+        if !filter.is_empty()
+            && !ty
+                .to_string()
+                .to_lowercase()
+                .contains(&filter.to_lowercase())
+        {
             continue;
         }
         let cols = 1536;
@@ -89,22 +99,42 @@ fn main() {
         let big_rows = (256 << 20) / (cols / ty.block_size() * ty.type_size());
         let ws = weights(ty, small_rows, cols);
         let wb = weights(ty, big_rows, cols);
-        let ms = QMatrix { ty, data: &ws, n_rows: small_rows, n_cols: cols };
-        let mb = QMatrix { ty, data: &wb, n_rows: big_rows, n_cols: cols };
+        let ms = QMatrix {
+            ty,
+            data: &ws,
+            n_rows: small_rows,
+            n_cols: cols,
+        };
+        let mb = QMatrix {
+            ty,
+            data: &wb,
+            n_rows: big_rows,
+            n_cols: cols,
+        };
         let x1 = rand_f32(cols, 1);
         let xp = rand_f32(cols * 512, 2);
         for &isa in &isas {
             let mut qa1 = QActs::new();
-            qa1.quantize(None, isa, vec_dot_type(ty), &x1, cols).unwrap();
+            qa1.quantize(None, isa, vec_dot_type(ty), &x1, cols)
+                .unwrap();
             let mut qap = QActs::new();
-            qap.quantize(Some(&pool), isa, vec_dot_type(ty), &xp, cols).unwrap();
+            qap.quantize(Some(&pool), isa, vec_dot_type(ty), &xp, cols)
+                .unwrap();
             let mut out_s = vec![0f32; small_rows];
             let mut out_b = vec![0f32; big_rows];
             let mut out_p = vec![0f32; small_rows * 512];
             let reps = if isa == Isa::Scalar { 3 } else { 21 };
-            let t_small = time(reps * 5, || matmul_q(&pool, isa, MatmulPath::Gemv, &ms, &qa1, &mut out_s));
-            let t_big = time(reps.min(7), || matmul_q(&pool, isa, MatmulPath::Gemv, &mb, &qa1, &mut out_b));
-            let gemm_path = if isa == Isa::Scalar { MatmulPath::Gemv } else { MatmulPath::Gemm };
+            let t_small = time(reps * 5, || {
+                matmul_q(&pool, isa, MatmulPath::Gemv, &ms, &qa1, &mut out_s)
+            });
+            let t_big = time(reps.min(7), || {
+                matmul_q(&pool, isa, MatmulPath::Gemv, &mb, &qa1, &mut out_b)
+            });
+            let gemm_path = if isa == Isa::Scalar {
+                MatmulPath::Gemv
+            } else {
+                MatmulPath::Gemm
+            };
             let t_gemm = time(3, || matmul_q(&pool, isa, gemm_path, &ms, &qap, &mut out_p));
             println!(
                 "| {ty} | {} | {:.1} | {:.2} | {:.1} |",
@@ -121,7 +151,11 @@ fn main() {
         let mut out = vec![0u8; x.len() / ty.block_size() * ty.type_size()];
         for &isa in &isas {
             let t = time(21, || quantize_simd(isa, ty, &x, &mut out).unwrap());
-            println!("quantize {ty} {}: {:.2} Gvalues/s", isa.name(), x.len() as f64 / t / 1e9);
+            println!(
+                "quantize {ty} {}: {:.2} Gvalues/s",
+                isa.name(),
+                x.len() as f64 / t / 1e9
+            );
         }
     }
 }

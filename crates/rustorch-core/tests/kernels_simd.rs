@@ -8,8 +8,8 @@
 //! * F16 / F32 dots: equal up to summation order.
 
 use rustorch_core::kernels::{
-    dot_float, matmul_q, matmul_with, quantize_simd, vec_dot, vec_dot_type, Isa, MatmulPath, QActs, QMatrix,
-    ThreadPool,
+    dot_float, matmul_q, matmul_with, quantize_simd, vec_dot, vec_dot_type, Isa, MatmulPath, QActs,
+    QMatrix, ThreadPool,
 };
 use rustorch_core::quant::{self, f32_to_f16};
 use rustorch_core::GgmlType;
@@ -38,7 +38,10 @@ impl Rng {
 }
 
 fn simd_isas() -> Vec<Isa> {
-    let v: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Scalar).collect();
+    let v: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|i| *i != Isa::Scalar)
+        .collect();
     eprintln!("SIMD families on this CPU: {v:?}");
     v
 }
@@ -125,9 +128,13 @@ fn weights(rng: &mut Rng, ty: GgmlType, n_rows: usize, n_cols: usize) -> Vec<u8>
         let ts = ty.type_size();
         for blk in row.chunks_mut(ts) {
             let half_words = blk.len() / 2;
-            let mut set = |off: usize, v: f32| blk[off..off + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
+            let mut set = |off: usize, v: f32| {
+                blk[off..off + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes())
+            };
             match ty {
-                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => set(0, rng.normal() * 0.01),
+                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => {
+                    set(0, rng.normal() * 0.01)
+                }
                 GgmlType::Q4_1 | GgmlType::Q5_1 => {
                     set(0, rng.normal() * 0.01);
                     set(2, rng.normal() * 0.1);
@@ -167,7 +174,11 @@ const TYPES: [GgmlType; 11] = [
 fn check_type(ty: GgmlType, seed: u64) {
     let mut rng = Rng(seed);
     let exact = !matches!(ty, GgmlType::F16 | GgmlType::F32);
-    let col_choices: &[usize] = if ty.block_size() == 256 { &[256, 768, 1536] } else { &[32, 96, 576, 1024] };
+    let col_choices: &[usize] = if ty.block_size() == 256 {
+        &[256, 768, 1536]
+    } else {
+        &[32, 96, 576, 1024]
+    };
     for (case, &n_cols) in col_choices.iter().enumerate() {
         for &n_rows in &[1usize, 7, 16, 37] {
             let w = weights(&mut rng, ty, n_rows, n_cols);
@@ -186,7 +197,8 @@ fn check_type(ty: GgmlType, seed: u64) {
             let arb = ref_act.len() / n_tok;
             for t in 0..n_tok {
                 for r in 0..n_rows {
-                    want[t * n_rows + r] = vec_dot(ty, n_cols, m.row(r), &ref_act[t * arb..(t + 1) * arb]);
+                    want[t * n_rows + r] =
+                        vec_dot(ty, n_cols, m.row(r), &ref_act[t * arb..(t + 1) * arb]);
                 }
             }
             for isa in Isa::available() {
@@ -280,7 +292,8 @@ fn gemm_equals_gemv_for_all_batch_sizes() {
             for n_tok in 1..=17 {
                 let x = activations(&mut rng, n_tok * n_cols);
                 let mut qa = QActs::new();
-                qa.quantize(Some(&pool), isa, vec_dot_type(ty), &x, n_cols).unwrap();
+                qa.quantize(Some(&pool), isa, vec_dot_type(ty), &x, n_cols)
+                    .unwrap();
                 let mut a = vec![0f32; n_tok * n_rows];
                 let mut b = vec![0f32; n_tok * n_rows];
                 matmul_q(&pool, isa, MatmulPath::Gemv, &m, &qa, &mut a);
@@ -289,10 +302,21 @@ fn gemm_equals_gemv_for_all_batch_sizes() {
                 // and each row alone equals its row in the batch
                 for t in [0, n_tok - 1] {
                     let mut qa1 = QActs::new();
-                    qa1.quantize(None, isa, vec_dot_type(ty), &x[t * n_cols..(t + 1) * n_cols], n_cols).unwrap();
+                    qa1.quantize(
+                        None,
+                        isa,
+                        vec_dot_type(ty),
+                        &x[t * n_cols..(t + 1) * n_cols],
+                        n_cols,
+                    )
+                    .unwrap();
                     let mut c = vec![0f32; n_rows];
                     matmul_q(&pool, isa, MatmulPath::Auto, &m, &qa1, &mut c);
-                    assert_eq!(&c[..], &b[t * n_rows..(t + 1) * n_rows], "{ty} {isa:?} token {t} of {n_tok}");
+                    assert_eq!(
+                        &c[..],
+                        &b[t * n_rows..(t + 1) * n_rows],
+                        "{ty} {isa:?} token {t} of {n_tok}"
+                    );
                 }
             }
         }
@@ -324,14 +348,27 @@ fn vector_exp_and_swiglu_are_bit_exact() {
     let mut rng = Rng(77);
     let mut xs: Vec<f32> = (0..200_000).map(|_| -120.0 + 220.0 * rng.unit()).collect();
     xs.extend((0..50_000).map(|_| f32::from_bits(rng.next() as u32)));
-    xs.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 88.72283, -103.97208, 89.0, -104.0]);
+    xs.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        88.72283,
+        -103.97208,
+        89.0,
+        -104.0,
+    ]);
     for isa in Isa::available() {
         eprintln!("{isa:?}: vector exp enabled = {}", vexp_enabled(isa));
         let mut got = xs.clone();
         exp_slice(isa, &mut got);
         for (x, g) in xs.iter().zip(&got) {
             let w = x.exp();
-            assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{isa:?} exp({x}) = {g}, want {w}");
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{isa:?} exp({x}) = {g}, want {w}"
+            );
         }
         let up: Vec<f32> = (0..xs.len()).map(|_| rng.normal()).collect();
         let gate: Vec<f32> = xs.iter().map(|x| x * 0.1).collect();
@@ -340,7 +377,10 @@ fn vector_exp_and_swiglu_are_bit_exact() {
         rustorch_core::kernels::ops::swiglu(&mut a, &up);
         swiglu(isa, &mut b, &up);
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-            assert!(x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()), "{isa:?} swiglu[{i}]: {y} vs {x}");
+            assert!(
+                x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                "{isa:?} swiglu[{i}]: {y} vs {x}"
+            );
         }
     }
 }
@@ -386,9 +426,24 @@ fn fused_matmuls_equal_separate_calls() {
             let wq = weights(&mut rng, tq, 72, n_cols);
             let wv = weights(&mut rng, tv, 24, n_cols);
             let wu = weights(&mut rng, tq, 72, n_cols);
-            let mq = QMatrix { ty: tq, data: &wq, n_rows: 72, n_cols };
-            let mv = QMatrix { ty: tv, data: &wv, n_rows: 24, n_cols };
-            let mu = QMatrix { ty: tq, data: &wu, n_rows: 72, n_cols };
+            let mq = QMatrix {
+                ty: tq,
+                data: &wq,
+                n_rows: 72,
+                n_cols,
+            };
+            let mv = QMatrix {
+                ty: tv,
+                data: &wv,
+                n_rows: 24,
+                n_cols,
+            };
+            let mu = QMatrix {
+                ty: tq,
+                data: &wu,
+                n_rows: 72,
+                n_cols,
+            };
             for n_tok in [1, 2, 9] {
                 let x = activations(&mut rng, n_tok * n_cols);
                 let mut qa = QActs::new();
@@ -397,7 +452,14 @@ fn fused_matmuls_equal_separate_calls() {
                 matmul(&pool, &mv, &x, &mut b, &mut qa).unwrap();
                 let (mut a2, mut b2) = (vec![0f32; n_tok * 72], vec![0f32; n_tok * 24]);
                 let mut qas = Vec::new();
-                matmul_many(&pool, &[mq, mv], &x, &mut [&mut a2[..], &mut b2[..]], &mut qas).unwrap();
+                matmul_many(
+                    &pool,
+                    &[mq, mv],
+                    &x,
+                    &mut [&mut a2[..], &mut b2[..]],
+                    &mut qas,
+                )
+                .unwrap();
                 assert_eq!(a, a2, "{tq} {n_tok}");
                 assert_eq!(b, b2, "{tv} {n_tok}");
                 let mut u = vec![0f32; n_tok * 72];
@@ -407,7 +469,10 @@ fn fused_matmuls_equal_separate_calls() {
                 matmul_swiglu(&pool, &mq, &mu, &x, &mut g3, &mut u3, &mut qas).unwrap();
                 assert_eq!(u, u3, "{tq} up {n_tok}");
                 for (i, (p, r)) in a.iter().zip(&g3).enumerate() {
-                    assert!(p.to_bits() == r.to_bits(), "{tq} swiglu {n_tok} [{i}] {p} {r}");
+                    assert!(
+                        p.to_bits() == r.to_bits(),
+                        "{tq} swiglu {n_tok} [{i}] {p} {r}"
+                    );
                 }
             }
         }

@@ -147,11 +147,15 @@ fn corpus() -> String {
                         s.push(' ');
                     }
                     s.push_str(rng.pick(WORDS));
-                    if rng.next() % 11 == 0 {
+                    if rng.next().is_multiple_of(11) {
                         s.push_str(&format!(" {}", rng.next() % 100_000));
                     }
                 }
-                s.push_str(if rng.next() % 4 == 0 { ".\n\n" } else { ". " });
+                s.push_str(if rng.next().is_multiple_of(4) {
+                    ".\n\n"
+                } else {
+                    ". "
+                });
             }
             6..=7 => {
                 s.push_str(rng.pick(CODE));

@@ -15,10 +15,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: dump_logits MODEL OUT.f32 [--reference] ID [ID ...]".into());
     }
     let model = Model::load(Arc::new(GgufFile::open(&args[0])?))?;
-    let tokens: Vec<u32> = args[2..].iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
+    let tokens: Vec<u32> = args[2..]
+        .iter()
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
     let mut rt = Runtime::new(2);
     rt.reference = reference;
-    let out = model.forward(&Batch::from_prompt(&tokens, 0, 0, false), &mut model.new_cache(256), &rt)?;
+    let out = model.forward(
+        &Batch::from_prompt(&tokens, 0, 0, false),
+        &mut model.new_cache(256),
+        &rt,
+    )?;
     let logits = out.last(model.hparams().n_vocab).ok_or("no logits")?;
     let mut f = std::fs::File::create(&args[1])?;
     for v in logits {

@@ -12,12 +12,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: tensor_sums MODEL ID [ID ...]".into());
     }
     let model = Model::load(Arc::new(GgufFile::open(&args[0])?))?;
-    let tokens: Vec<u32> = args[1..].iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
+    let tokens: Vec<u32> = args[1..]
+        .iter()
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
     let mut rt = Runtime::new(2);
     rt.tensor_hook = Some(Box::new(|name, il, x| {
         let sum: f64 = x.iter().map(|&v| v as f64).sum();
         println!("{name}-{il} {sum:.6}");
     }));
-    model.forward(&Batch::from_prompt(&tokens, 0, 0, false), &mut model.new_cache(64), &rt)?;
+    model.forward(
+        &Batch::from_prompt(&tokens, 0, 0, false),
+        &mut model.new_cache(64),
+        &rt,
+    )?;
     Ok(())
 }

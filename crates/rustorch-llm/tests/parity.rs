@@ -380,6 +380,9 @@ fn first_step_prediction_matches_llama_cpp() {
         }
         let mean = kls.iter().sum::<f64>() / kls.len() as f64;
         let max = kls.iter().copied().fold(0f64, f64::max);
-        eprintln!("{key}: first step of {} prompts: same top token; KL mean {mean:.2e}, max {max:.2e}", kls.len());
+        eprintln!(
+            "{key}: first step of {} prompts: same top token; KL mean {mean:.2e}, max {max:.2e}",
+            kls.len()
+        );
     }
 }

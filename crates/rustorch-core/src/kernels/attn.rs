@@ -37,11 +37,11 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
     debug_assert_eq!(out.len(), hd);
     #[cfg(target_arch = "x86_64")]
     {
-        if isa == Isa::Avx512 && hd % 16 == 0 && hd <= 256 {
+        if isa == Isa::Avx512 && hd.is_multiple_of(16) && hd <= 256 {
             // SAFETY: the family was detected; slices are bounds-checked per row inside.
             return unsafe { x86::attend_avx512(h, out) };
         }
-        if matches!(isa, Isa::Avx2 | Isa::Avx512) && hd % 8 == 0 && hd <= 256 {
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) && hd.is_multiple_of(8) && hd <= 256 {
             // SAFETY: as above.
             return unsafe { x86::attend_avx2(h, out) };
         }
@@ -68,7 +68,7 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
     #[cfg(target_arch = "x86_64")]
     {
         let hd = queries.first().map_or(0, |q| q.q.len());
-        if isa == Isa::Avx512 && hd % 16 == 0 && hd > 0 && hd <= 256 {
+        if isa == Isa::Avx512 && hd.is_multiple_of(16) && hd > 0 && hd <= 256 {
             let vexp = super::vexp::vexp_enabled(isa);
             for chunk in queries.chunks_mut(x86::MAX_Q) {
                 // SAFETY: the family was detected; rows are bounds-checked inside.
@@ -194,6 +194,7 @@ mod x86 {
         // query rounded to f16; accumulator values are f16 numbers held as f32
         let mut q = [zero; 16];
         let mut acc = [zero; 16];
+        #[allow(clippy::needless_range_loop)] // indices address several arrays in step
         for i in 0..nv {
             let x = _mm512_loadu_ps(h.q.as_ptr().add(16 * i));
             q[i] = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x));
@@ -211,14 +212,18 @@ mod x86 {
             let mut s1 = zero;
             let mut i = 0;
             while i + 1 < nv {
-                let k0 = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
-                let k1 = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i + 16) as *const __m256i));
+                let k0 =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
+                let k1 = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    kp.add(base + 16 * i + 16) as *const __m256i
+                ));
                 s0 = _mm512_fmadd_ps(q[i], k0, s0);
                 s1 = _mm512_fmadd_ps(q[i + 1], k1, s1);
                 i += 2;
             }
             if i < nv {
-                let k0 = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
+                let k0 =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
                 s0 = _mm512_fmadd_ps(q[i], k0, s0);
             }
             let s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale;
@@ -236,7 +241,8 @@ mod x86 {
             }
             let vsv = _mm512_set1_ps(vs);
             for (i, a) in acc.iter_mut().enumerate().take(nv) {
-                let v = _mm512_cvtph_ps(_mm256_loadu_si256(vp.add(base + 16 * i) as *const __m256i));
+                let v =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(vp.add(base + 16 * i) as *const __m256i));
                 let t = _mm512_add_ps(*a, _mm512_mul_ps(v, vsv));
                 *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
             }
@@ -262,7 +268,10 @@ mod x86 {
         let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         let pair = |a: __m512, b: __m512| {
-            _mm512_add_ps(_mm512_permutex2var_ps(a, e, b), _mm512_permutex2var_ps(a, o, b))
+            _mm512_add_ps(
+                _mm512_permutex2var_ps(a, e, b),
+                _mm512_permutex2var_ps(a, o, b),
+            )
         };
         let y: [__m512; 8] = std::array::from_fn(|i| pair(z[2 * i], z[2 * i + 1]));
         let x: [__m512; 4] = std::array::from_fn(|i| pair(y[2 * i], y[2 * i + 1]));
@@ -271,8 +280,104 @@ mod x86 {
         pair(w0, w1)
     }
 
+    /// What the value update of one 16-cell chunk needs.
+    struct VState<'a> {
+        masks: &'a [u32; MAX_Q],
+        resc: &'a [u32; MAX_Q],
+        ex: &'a [[f32; 16]; MAX_Q],
+        vp: *const f32,
+        accp: *mut f32,
+        hd: usize,
+        nc: usize,
+    }
+
+    /// The value update for queries `j0..j0 + P` (head size `16 * NV`), accumulators in
+    /// registers.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_group_avx512(h: &HeadAttn<'_>, qs: &mut [super::GroupQuery<'_>], vexp: bool) {
+    unsafe fn vupdate<const NV: usize, const P: usize>(
+        st: &VState<'_>,
+        j0: usize,
+        sum: &mut [f32; MAX_Q],
+    ) {
+        let mut a = [[_mm512_setzero_ps(); NV]; P];
+        for (jj, aj) in a.iter_mut().enumerate() {
+            for (i, ai) in aj.iter_mut().enumerate() {
+                *ai = _mm512_loadu_ps(st.accp.add((j0 + jj) * st.hd + 16 * i));
+            }
+        }
+        for c in 0..st.nc {
+            for (jj, aj) in a.iter_mut().enumerate() {
+                let j = j0 + jj;
+                if st.masks[j] & (1 << c) == 0 {
+                    continue;
+                }
+                let e = st.ex[j][c];
+                let (ms, vs) = if st.resc[j] & (1 << c) != 0 {
+                    let msv = _mm512_set1_ps(e);
+                    for ai in aj.iter_mut() {
+                        *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
+                    }
+                    (e, 1.0f32)
+                } else {
+                    (1.0f32, e)
+                };
+                let vsv = _mm512_set1_ps(vs);
+                for (i, ai) in aj.iter_mut().enumerate() {
+                    let t = _mm512_add_ps(
+                        *ai,
+                        _mm512_mul_ps(_mm512_loadu_ps(st.vp.add(c * st.hd + 16 * i)), vsv),
+                    );
+                    *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+                }
+                sum[j] = sum[j] * ms + vs;
+            }
+        }
+        for (jj, aj) in a.iter().enumerate() {
+            for (i, ai) in aj.iter().enumerate() {
+                _mm512_storeu_ps(st.accp.add((j0 + jj) * st.hd + 16 * i), *ai);
+            }
+        }
+    }
+
+    /// [`vupdate`] for one query of any head size (multiple of 16).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn vupdate_any(st: &VState<'_>, j: usize, nv: usize, sum: &mut [f32; MAX_Q]) {
+        let ap = st.accp.add(j * st.hd);
+        for c in 0..st.nc {
+            if st.masks[j] & (1 << c) == 0 {
+                continue;
+            }
+            let e = st.ex[j][c];
+            let rescale = st.resc[j] & (1 << c) != 0;
+            let (ms, vs) = if rescale { (e, 1.0f32) } else { (1.0f32, e) };
+            for i in 0..nv {
+                let mut a = _mm512_loadu_ps(ap.add(16 * i));
+                if rescale {
+                    a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(
+                        a,
+                        _mm512_set1_ps(ms),
+                    )));
+                }
+                let t = _mm512_add_ps(
+                    a,
+                    _mm512_mul_ps(
+                        _mm512_loadu_ps(st.vp.add(c * st.hd + 16 * i)),
+                        _mm512_set1_ps(vs),
+                    ),
+                );
+                _mm512_storeu_ps(ap.add(16 * i), _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t)));
+            }
+            sum[j] = sum[j] * ms + vs;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_avx512(
+        h: &HeadAttn<'_>,
+        qs: &mut [super::GroupQuery<'_>],
+        vexp: bool,
+    ) {
         let nq = qs.len();
         let hd = qs[0].q.len();
         let nv = hd / 16;
@@ -285,13 +390,17 @@ mod x86 {
         let mut vbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
         let (qp, accp) = (qbuf.as_mut_ptr() as *mut f32, abuf.as_mut_ptr() as *mut f32);
         let (kp, vp) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+        let vp_const = vp as *const f32;
         let mut m = [f32::NEG_INFINITY; MAX_Q];
         let mut sum = [0f32; MAX_Q];
         for (j, gq) in qs.iter().enumerate() {
             assert_eq!(gq.q.len(), hd);
             for i in 0..nv {
                 let x = _mm512_loadu_ps(gq.q.as_ptr().add(16 * i));
-                _mm512_storeu_ps(qp.add(j * hd + 16 * i), _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x)));
+                _mm512_storeu_ps(
+                    qp.add(j * hd + 16 * i),
+                    _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x)),
+                );
                 _mm512_storeu_ps(accp.add(j * hd + 16 * i), zero);
             }
         }
@@ -304,7 +413,11 @@ mod x86 {
             let valid: u32 = if nc == 16 { 0xffff } else { (1u32 << nc) - 1 };
             let pv = _mm512_maskz_loadu_epi32(valid as u16, h.pos.as_ptr().add(c0) as *const i32);
             for (j, gq) in qs.iter().enumerate() {
-                let mk = _mm512_mask_cmple_epu32_mask(valid as u16, pv, _mm512_set1_epi32(gq.max_pos as i32)) as u32;
+                let mk = _mm512_mask_cmple_epu32_mask(
+                    valid as u16,
+                    pv,
+                    _mm512_set1_epi32(gq.max_pos as i32),
+                ) as u32;
                 masks[j] = mk;
                 any |= mk;
             }
@@ -319,8 +432,12 @@ mod x86 {
                 let base = (c0 + c) * h.stride + h.offset;
                 assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
                 for i in 0..nv {
-                    let k = _mm512_cvtph_ps(_mm256_loadu_si256(h.k.as_ptr().add(base + 16 * i) as *const __m256i));
-                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(h.v.as_ptr().add(base + 16 * i) as *const __m256i));
+                    let k = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        h.k.as_ptr().add(base + 16 * i) as *const __m256i
+                    ));
+                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        h.v.as_ptr().add(base + 16 * i) as *const __m256i
+                    ));
                     _mm512_storeu_ps(kp.add(c * hd + 16 * i), k);
                     _mm512_storeu_ps(vp.add(c * hd + 16 * i), v);
                 }
@@ -371,7 +488,10 @@ mod x86 {
                 m[j] = mj;
                 resc[j] = rj;
                 if vexp {
-                    _mm512_storeu_ps(ex[j].as_mut_ptr(), super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())));
+                    _mm512_storeu_ps(
+                        ex[j].as_mut_ptr(),
+                        super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())),
+                    );
                 } else {
                     for c in 0..nc {
                         if mk & (1 << c) != 0 {
@@ -382,46 +502,29 @@ mod x86 {
             }
             // phase 2: weighted values into the f16 accumulators, several queries at a time
             // so that their (latency-bound) update chains overlap
-            let per = (16 / nv).max(1);
+            let st = VState {
+                masks: &masks,
+                resc: &resc,
+                ex: &ex,
+                vp: vp_const,
+                accp,
+                hd,
+                nc,
+            };
             let mut j0 = 0;
             while j0 < nq {
-                let j1 = (j0 + per).min(nq);
-                let mut a = [zero; 16];
-                for jj in 0..j1 - j0 {
-                    for i in 0..nv {
-                        a[jj * nv + i] = _mm512_loadu_ps(accp.add((j0 + jj) * hd + 16 * i));
-                    }
+                match nv {
+                    4 if j0 + 4 <= nq => vupdate::<4, 4>(&st, j0, &mut sum),
+                    8 if j0 + 2 <= nq => vupdate::<8, 2>(&st, j0, &mut sum),
+                    4 => vupdate::<4, 1>(&st, j0, &mut sum),
+                    8 => vupdate::<8, 1>(&st, j0, &mut sum),
+                    _ => vupdate_any(&st, j0, nv, &mut sum),
                 }
-                for c in 0..nc {
-                    for jj in 0..j1 - j0 {
-                        let j = j0 + jj;
-                        if masks[j] & (1 << c) == 0 {
-                            continue;
-                        }
-                        let rescale = resc[j] & (1 << c) != 0;
-                        let (ms, vs) = if rescale { (ex[j][c], 1.0f32) } else { (1.0f32, ex[j][c]) };
-                        if rescale {
-                            let msv = _mm512_set1_ps(ms);
-                            for i in 0..nv {
-                                let ai = &mut a[jj * nv + i];
-                                *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
-                            }
-                        }
-                        let vsv = _mm512_set1_ps(vs);
-                        for i in 0..nv {
-                            let ai = &mut a[jj * nv + i];
-                            let t = _mm512_add_ps(*ai, _mm512_mul_ps(_mm512_loadu_ps(vp.add(c * hd + 16 * i)), vsv));
-                            *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
-                        }
-                        sum[j] = sum[j] * ms + vs;
-                    }
-                }
-                for jj in 0..j1 - j0 {
-                    for i in 0..nv {
-                        _mm512_storeu_ps(accp.add((j0 + jj) * hd + 16 * i), a[jj * nv + i]);
-                    }
-                }
-                j0 = j1;
+                j0 += match nv {
+                    4 if j0 + 4 <= nq => 4,
+                    8 if j0 + 2 <= nq => 2,
+                    _ => 1,
+                };
             }
             c0 += nc;
         }
@@ -456,7 +559,10 @@ mod x86 {
         let mut acc = [0f32; 256];
         for i in 0..nv {
             let x = _mm256_loadu_ps(h.q.as_ptr().add(8 * i));
-            _mm256_storeu_ps(q.as_mut_ptr().add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(x)));
+            _mm256_storeu_ps(
+                q.as_mut_ptr().add(8 * i),
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(x)),
+            );
         }
         let mut m = f32::NEG_INFINITY;
         let mut sum = 0f32;
@@ -473,7 +579,8 @@ mod x86 {
             let mut i = 0;
             while i + 1 < nv {
                 let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
-                let k1 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i + 8) as *const __m128i));
+                let k1 =
+                    _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i + 8) as *const __m128i));
                 s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
                 s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i + 8)), k1, s1);
                 i += 2;
@@ -510,7 +617,10 @@ mod x86 {
         }
         let inv = _mm256_set1_ps(1.0 / sum);
         for i in 0..nv {
-            _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), inv));
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(8 * i),
+                _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), inv),
+            );
         }
     }
 }

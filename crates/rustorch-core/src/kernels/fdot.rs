@@ -31,7 +31,9 @@ pub fn dot_f32_slices(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::f32_avx512(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8) },
+        Isa::Avx512 => unsafe {
+            x86::f32_avx512(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8)
+        },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::f32_avx2(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8) },
         #[cfg(target_arch = "aarch64")]
@@ -78,16 +80,25 @@ mod x86 {
         let mut i = 0;
         while i + 32 <= n {
             for (k, s) in acc.iter_mut().enumerate() {
-                let p = _mm256_mul_ps(_mm256_loadu_ps(w.add(i + 8 * k)), _mm256_loadu_ps(a.add(i + 8 * k)));
+                let p = _mm256_mul_ps(
+                    _mm256_loadu_ps(w.add(i + 8 * k)),
+                    _mm256_loadu_ps(a.add(i + 8 * k)),
+                );
                 *s = _mm256_add_ps(*s, p);
             }
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(_mm256_loadu_ps(w.add(i)), _mm256_loadu_ps(a.add(i))));
+            acc[0] = _mm256_add_ps(
+                acc[0],
+                _mm256_mul_ps(_mm256_loadu_ps(w.add(i)), _mm256_loadu_ps(a.add(i))),
+            );
             i += 8;
         }
-        let mut s = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        let mut s = hsum8(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
         while i < n {
             s += rd_f32(w as *const u8, i) * rd_f32(a as *const u8, i);
             i += 1;
@@ -105,11 +116,17 @@ mod x86 {
                 let y = _mm256_cvtph_ps(_mm_loadu_si128(a.add(2 * (i + 8 * k)) as *const __m128i));
                 let p = _mm256_mul_ps(x, y);
                 acc[2 * k] = _mm256_add_pd(acc[2 * k], _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
-                acc[2 * k + 1] = _mm256_add_pd(acc[2 * k + 1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(p)));
+                acc[2 * k + 1] = _mm256_add_pd(
+                    acc[2 * k + 1],
+                    _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(p)),
+                );
             }
             i += 16;
         }
-        let mut s = hsum4d(_mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
+        let mut s = hsum4d(_mm256_add_pd(
+            _mm256_add_pd(acc[0], acc[1]),
+            _mm256_add_pd(acc[2], acc[3]),
+        ));
         while i < n {
             s += (rd_f16(w, i) * rd_f16(a, i)) as f64;
             i += 1;
@@ -124,16 +141,25 @@ mod x86 {
         let mut i = 0;
         while i + 64 <= n {
             for (k, s) in acc.iter_mut().enumerate() {
-                let p = _mm512_mul_ps(_mm512_loadu_ps(wf.add(i + 16 * k)), _mm512_loadu_ps(af.add(i + 16 * k)));
+                let p = _mm512_mul_ps(
+                    _mm512_loadu_ps(wf.add(i + 16 * k)),
+                    _mm512_loadu_ps(af.add(i + 16 * k)),
+                );
                 *s = _mm512_add_ps(*s, p);
             }
             i += 64;
         }
         while i + 16 <= n {
-            acc[0] = _mm512_add_ps(acc[0], _mm512_mul_ps(_mm512_loadu_ps(wf.add(i)), _mm512_loadu_ps(af.add(i))));
+            acc[0] = _mm512_add_ps(
+                acc[0],
+                _mm512_mul_ps(_mm512_loadu_ps(wf.add(i)), _mm512_loadu_ps(af.add(i))),
+            );
             i += 16;
         }
-        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(acc[0], acc[1]),
+            _mm512_add_ps(acc[2], acc[3]),
+        ));
         while i < n {
             s += rd_f32(w, i) * rd_f32(a, i);
             i += 1;
@@ -147,8 +173,10 @@ mod x86 {
         let mut i = 0;
         while i + 32 <= n {
             for k in 0..2 {
-                let x = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * (i + 16 * k)) as *const __m256i));
-                let y = _mm512_cvtph_ps(_mm256_loadu_si256(a.add(2 * (i + 16 * k)) as *const __m256i));
+                let x =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * (i + 16 * k)) as *const __m256i));
+                let y =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(a.add(2 * (i + 16 * k)) as *const __m256i));
                 let p = _mm512_mul_ps(x, y);
                 let lo = _mm512_castps512_ps256(p);
                 let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(p)));
@@ -157,7 +185,10 @@ mod x86 {
             }
             i += 32;
         }
-        let mut s = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
+        let mut s = _mm512_reduce_add_pd(_mm512_add_pd(
+            _mm512_add_pd(acc[0], acc[1]),
+            _mm512_add_pd(acc[2], acc[3]),
+        ));
         while i < n {
             s += (rd_f16(w, i) * rd_f16(a, i)) as f64;
             i += 1;
@@ -184,7 +215,10 @@ mod neon {
             }
             i += 16;
         }
-        let mut s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+        let mut s = vaddvq_f32(vaddq_f32(
+            vaddq_f32(acc[0], acc[1]),
+            vaddq_f32(acc[2], acc[3]),
+        ));
         while i < n {
             s += std::ptr::read_unaligned(w.add(i)) * std::ptr::read_unaligned(a.add(i));
             i += 1;

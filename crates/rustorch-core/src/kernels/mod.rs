@@ -182,7 +182,14 @@ pub fn matmul_with(
 }
 
 /// The product with activations already quantized (by [`QActs::quantize`] for `w.ty`).
-pub fn matmul_q(pool: &ThreadPool, isa: Isa, path: MatmulPath, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+pub fn matmul_q(
+    pool: &ThreadPool,
+    isa: Isa,
+    path: MatmulPath,
+    w: &QMatrix<'_>,
+    qa: &QActs,
+    out: &mut [f32],
+) {
     let n_tok = qa.n_rows;
     assert!(out.len() >= n_tok * w.n_rows && qa.n_cols == w.n_cols);
     #[cfg(target_arch = "x86_64")]
@@ -245,7 +252,9 @@ fn matmul_fused(
     let n_tok = x.len() / n_cols;
     let simd_gemv = matches!(isa, Isa::Avx2 | Isa::Avx512)
         && n_tok < GEMM_MIN_TOKENS
-        && ws.iter().all(|w| w.n_cols == n_cols && fmt::from_type(w.ty).is_some())
+        && ws
+            .iter()
+            .all(|w| w.n_cols == n_cols && fmt::from_type(w.ty).is_some())
         && (!glu || ws[0].n_rows == ws[1].n_rows);
     if !simd_gemv {
         while qa.is_empty() {
@@ -304,8 +313,16 @@ fn matmul_fused(
         for (i, w) in ws.iter().enumerate() {
             let f = fmt::from_type(w.ty).unwrap_or(fmt::Q8_0);
             let groups = w.n_rows.div_ceil(8);
-            let per = if glu { jobs.first().map_or(per_all, |j: &Job| j.per) } else { per_all };
-            let tasks = if glu && i == 1 { 0 } else { groups.div_ceil(per) };
+            let per = if glu {
+                jobs.first().map_or(per_all, |j: &Job| j.per)
+            } else {
+                per_all
+            };
+            let tasks = if glu && i == 1 {
+                0
+            } else {
+                groups.div_ceil(per)
+            };
             jobs.push(Job {
                 kern: kern(f),
                 base: w.data.as_ptr() as usize,
@@ -342,7 +359,10 @@ fn matmul_fused(
             }
         };
         pool.run(n_tasks, &|task| {
-            let i = jobs.iter().rposition(|j| j.first_task <= task && (j.groups > 0)).unwrap_or(0);
+            let i = jobs
+                .iter()
+                .rposition(|j| j.first_task <= task && (j.groups > 0))
+                .unwrap_or(0);
             let i = if glu { 0 } else { i };
             let j = &jobs[i];
             let k = task - j.first_task;
@@ -378,6 +398,8 @@ fn swiglu_rows(pool: &ThreadPool, isa: Isa, gate: &mut [f32], up: &[f32], n: usi
     let dst = SendPtr(gate.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_tok, 1);
     pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         let (t0, t1) = (task * per, ((task + 1) * per).min(n_tok));
         // SAFETY: tasks own disjoint token rows.
@@ -410,6 +432,8 @@ fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out:
     let dst = SendPtr(out.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_rows, 16);
     pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         for r in task * per..((task + 1) * per).min(n_rows) {
             let wr = w.row(r);
@@ -423,13 +447,20 @@ fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out:
 }
 
 /// Weights without an integer kernel: dequantize each row, f32 dot with f32 activations.
-fn matmul_dequant(pool: &ThreadPool, w: &QMatrix<'_>, x: &[f32], out: &mut [f32]) -> Result<(), quant::QuantError> {
+fn matmul_dequant(
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+) -> Result<(), quant::QuantError> {
     let n_tok = x.len() / w.n_cols;
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_rows, 16);
     let isa = isa();
     pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         let mut deq = vec![0f32; w.n_cols];
         for r in task * per..((task + 1) * per).min(n_rows) {
@@ -464,6 +495,8 @@ fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
     let (n_tasks, per) = split(pool, groups, 2);
     let dst = SendPtr(out.as_mut_ptr());
     pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         let base = w.data.as_ptr();
         for g in task * per..((task + 1) * per).min(groups) {
@@ -471,7 +504,16 @@ fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
             let nr = (n_rows - r0).min(8);
             for t in 0..n_tok {
                 // SAFETY: rows r0..r0+nr exist; outputs (t, r0..r0+nr) belong to this task.
-                unsafe { kern(base.add(r0 * rb), rb, nr, nb, act_row(qa, t), dst.0.add(t * n_rows + r0)) };
+                unsafe {
+                    kern(
+                        base.add(r0 * rb),
+                        rb,
+                        nr,
+                        nb,
+                        act_row(qa, t),
+                        dst.0.add(t * n_rows + r0),
+                    )
+                };
             }
         }
     });
@@ -511,6 +553,8 @@ fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
     let dst = SendPtr(out.as_mut_ptr());
     let avx512 = isa == Isa::Avx512;
     pool.run(n_panels, &|p| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         let base = w.data.as_ptr();
         PANEL_BUF.with(|buf| {
@@ -537,13 +581,15 @@ fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
                 };
                 if avx512 {
                     for t0 in (0..n_tok).step_by(8) {
-                        let acts: [ActRow; 8] = std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
+                        let acts: [ActRow; 8] =
+                            std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
                         let outs: [*mut f32; 8] = std::array::from_fn(|i| out_ptr(t0 + i, i));
                         k512(buf.as_ptr(), nblk, &acts, &outs, nvalid);
                     }
                 } else {
                     for t0 in (0..n_tok).step_by(4) {
-                        let acts: [ActRow; 4] = std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
+                        let acts: [ActRow; 4] =
+                            std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
                         let outs: [*mut f32; 4] = std::array::from_fn(|i| out_ptr(t0 + i, i));
                         k2(buf.as_ptr(), 0, nblk, &acts, &outs, nvalid.min(8));
                         if nvalid > 8 {

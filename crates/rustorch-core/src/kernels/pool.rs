@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 const SPIN: Duration = Duration::from_micros(300);
 const YIELD: Duration = Duration::from_millis(3);
 
-
 struct Shared {
     /// `generation << 32 | next task index`.
     state: AtomicU64,
@@ -111,14 +110,17 @@ impl ThreadPool {
                 w.thread().unpark();
             }
         }
-        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| claim(sh, gen, f, n_tasks)));
+        let mine =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| claim(sh, gen, f, n_tasks)));
         // Wait for tasks claimed by workers. `f` stays alive until then: no task of this
         // generation can be claimed any more (every index is taken).
         let t0 = Instant::now();
         let mut spins = 0u32;
         while sh.completed.load(Ordering::Acquire) < n_tasks {
             spins = spins.wrapping_add(1);
-            if spins < 256 || (spins % 64 != 0 || t0.elapsed() < Duration::from_micros(50)) {
+            if spins < 256
+                || (!spins.is_multiple_of(64) || t0.elapsed() < Duration::from_micros(50))
+            {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
@@ -178,7 +180,7 @@ fn worker(sh: &Shared) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            if spins % 128 != 0 {
+            if !spins.is_multiple_of(128) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -189,7 +191,9 @@ fn worker(sh: &Shared) {
                 std::thread::yield_now();
             } else {
                 sh.sleepers.fetch_add(1, Ordering::SeqCst);
-                if sh.state.load(Ordering::SeqCst) >> 32 == seen && !sh.shutdown.load(Ordering::SeqCst) {
+                if sh.state.load(Ordering::SeqCst) >> 32 == seen
+                    && !sh.shutdown.load(Ordering::SeqCst)
+                {
                     std::thread::park_timeout(Duration::from_millis(100));
                 }
                 sh.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -199,7 +203,10 @@ fn worker(sh: &Shared) {
         if sh.shutdown.load(Ordering::Relaxed) {
             return;
         }
-        let words = [sh.f_data.load(Ordering::Acquire), sh.f_vtable.load(Ordering::Acquire)];
+        let words = [
+            sh.f_data.load(Ordering::Acquire),
+            sh.f_vtable.load(Ordering::Acquire),
+        ];
         let n_tasks = sh.n_tasks.load(Ordering::Acquire);
         // SAFETY: `claim` calls this only after a compare-and-swap proved that the job is
         // still generation `gen` with an unclaimed task. The words were read after observing
@@ -217,7 +224,9 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         let s = self.shared.state.load(Ordering::SeqCst);
-        self.shared.state.store(s.wrapping_add(1 << 32), Ordering::SeqCst);
+        self.shared
+            .state
+            .store(s.wrapping_add(1 << 32), Ordering::SeqCst);
         for w in &self.workers {
             w.thread().unpark();
         }

@@ -70,7 +70,7 @@ impl QActs {
         n_cols: usize,
     ) -> Result<(), QuantError> {
         let bs = ty.block_size();
-        if n_cols == 0 || n_cols % bs != 0 || x.len() % n_cols != 0 {
+        if n_cols == 0 || !n_cols.is_multiple_of(bs) || !x.len().is_multiple_of(n_cols) {
             return Err(QuantError::NotBlockAligned {
                 ty,
                 len: n_cols,
@@ -109,15 +109,22 @@ impl QActs {
             for r in r0..r1 {
                 let xr = &x[r * n_cols..(r + 1) * n_cols];
                 // SAFETY: rows are disjoint; every buffer was sized above.
-                let out = unsafe { std::slice::from_raw_parts_mut(data.0.add(r * row_bytes), row_bytes) };
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(data.0.add(r * row_bytes), row_bytes) };
                 let (dm, sm, im) = unsafe {
                     (
-                        std::slice::from_raw_parts_mut((d.0 as *mut f32).add(r * nb), if with_meta { nb } else { 0 }),
+                        std::slice::from_raw_parts_mut(
+                            (d.0 as *mut f32).add(r * nb),
+                            if with_meta { nb } else { 0 },
+                        ),
                         std::slice::from_raw_parts_mut(
                             (s.0 as *mut f32).add(r * nb),
                             if ty == GgmlType::Q8_1 { nb } else { 0 },
                         ),
-                        std::slice::from_raw_parts_mut((isum.0 as *mut i32).add(r * nb), if with_meta { nb } else { 0 }),
+                        std::slice::from_raw_parts_mut(
+                            (isum.0 as *mut i32).add(r * nb),
+                            if with_meta { nb } else { 0 },
+                        ),
                     )
                 };
                 quantize_row(isa, ty, xr, out, dm, sm, im);
@@ -136,7 +143,15 @@ impl QActs {
 }
 
 /// Quantizes one row; side arrays are filled when non-empty.
-fn quantize_row(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+fn quantize_row(
+    isa: Isa,
+    ty: GgmlType,
+    x: &[f32],
+    out: &mut [u8],
+    d: &mut [f32],
+    s: &mut [f32],
+    isum: &mut [i32],
+) {
     let bs = ty.block_size();
     let ts = ty.type_size();
     match ty {
@@ -190,7 +205,7 @@ fn block_meta(ty: GgmlType, b: &[u8]) -> (f32, f32, i32) {
 pub fn quantize_simd(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
     let bs = ty.block_size();
     let ts = ty.type_size();
-    if x.len() % bs != 0 || out.len() != x.len() / bs * ts {
+    if !x.len().is_multiple_of(bs) || out.len() != x.len() / bs * ts {
         return quant::quantize(ty, x, out);
     }
     if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8_K) {
@@ -221,9 +236,15 @@ mod x86 {
     /// The CPU must support AVX2, FMA and F16C; `x`/`out` hold one block of `ty`.
     pub(super) unsafe fn quantize_block(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
         match ty {
-            GgmlType::Q8_0 if x.len() == 32 && out.len() == 34 => q8_legacy(x.as_ptr(), out.as_mut_ptr(), false),
-            GgmlType::Q8_1 if x.len() == 32 && out.len() == 36 => q8_legacy(x.as_ptr(), out.as_mut_ptr(), true),
-            GgmlType::Q8_K if x.len() == 256 && out.len() == 292 => q8_k(x.as_ptr(), out.as_mut_ptr()),
+            GgmlType::Q8_0 if x.len() == 32 && out.len() == 34 => {
+                q8_legacy(x.as_ptr(), out.as_mut_ptr(), false)
+            }
+            GgmlType::Q8_1 if x.len() == 32 && out.len() == 36 => {
+                q8_legacy(x.as_ptr(), out.as_mut_ptr(), true)
+            }
+            GgmlType::Q8_K if x.len() == 256 && out.len() == 292 => {
+                q8_k(x.as_ptr(), out.as_mut_ptr())
+            }
             _ => false,
         }
     }
@@ -302,7 +323,10 @@ mod x86 {
             q[k] = _mm256_cvttps_epi32(r);
         }
         let bytes = pack32(q);
-        let sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        let sum = hsum_i32(_mm256_add_epi32(
+            _mm256_add_epi32(q[0], q[1]),
+            _mm256_add_epi32(q[2], q[3]),
+        ));
         let dh = f32_to_f16(d).to_le_bytes();
         *out = dh[0];
         *out.add(1) = dh[1];
@@ -353,6 +377,7 @@ mod x86 {
         let mut bsums = [0i16; 16];
         for g in 0..8 {
             let mut q = [_mm256_setzero_si256(); 4];
+            #[allow(clippy::needless_range_loop)] // indices address several arrays in step
             for k in 0..4 {
                 let vi = _mm256_loadu_ps(x.add(32 * g + 8 * k));
                 q[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vi, vs)), lim);

@@ -103,7 +103,7 @@ fn self_check() -> bool {
             1e-30,
             -1e-30,
         ]);
-        while xs.len() % 16 != 0 {
+        while !xs.len().is_multiple_of(16) {
             xs.push(0.5);
         }
         let want: Vec<f32> = xs.iter().map(|x| x.exp()).collect();
@@ -208,7 +208,11 @@ pub(crate) mod x86 {
         let idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
         let t = _mm256_i64gather_epi64::<8>(TAB.as_ptr() as *const i64, idx);
         let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki)));
-        let y0 = _mm256_fmadd_pd(r, _mm256_set1_pd(f64::from_bits(C0)), _mm256_set1_pd(f64::from_bits(C1)));
+        let y0 = _mm256_fmadd_pd(
+            r,
+            _mm256_set1_pd(f64::from_bits(C0)),
+            _mm256_set1_pd(f64::from_bits(C1)),
+        );
         let r2 = _mm256_mul_pd(r, r);
         let y1 = _mm256_fmadd_pd(r, _mm256_set1_pd(f64::from_bits(C2)), _mm256_set1_pd(1.0));
         let y = _mm256_fmadd_pd(y0, r2, y1);
@@ -233,7 +237,11 @@ pub(crate) mod x86 {
         let sel = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
         let t = _mm512_mask_blend_epi64(sel, lo, hi);
         let s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64::<47>(ki)));
-        let y0 = _mm512_fmadd_pd(r, _mm512_set1_pd(f64::from_bits(C0)), _mm512_set1_pd(f64::from_bits(C1)));
+        let y0 = _mm512_fmadd_pd(
+            r,
+            _mm512_set1_pd(f64::from_bits(C0)),
+            _mm512_set1_pd(f64::from_bits(C1)),
+        );
         let r2 = _mm512_mul_pd(r, r);
         let y1 = _mm512_fmadd_pd(r, _mm512_set1_pd(f64::from_bits(C2)), _mm512_set1_pd(1.0));
         let y = _mm512_fmadd_pd(y0, r2, y1);
@@ -307,7 +315,10 @@ pub(crate) mod x86 {
         let mut i = 0;
         while i + 16 <= n {
             let x = _mm512_loadu_ps(g.add(i));
-            let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));
+            let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(x),
+                sign,
+            )));
             let s = _mm512_div_ps(x, _mm512_add_ps(one, e));
             _mm512_storeu_ps(g.add(i), _mm512_mul_ps(s, _mm512_loadu_ps(u.add(i))));
             i += 16;

@@ -17,7 +17,9 @@
 
 use rustorch_core::kernels::attn::{attend_group, GroupQuery, HeadAttn};
 use rustorch_core::kernels::ops::rms_norm;
-use rustorch_core::kernels::{isa, matmul, matmul_many, matmul_reference, matmul_swiglu, vexp, QActs};
+use rustorch_core::kernels::{
+    isa, matmul, matmul_many, matmul_reference, matmul_swiglu, vexp, QActs,
+};
 
 use super::{Arch, ForwardOutput, HParams, LayerStat, Loader, ModelError, Runtime, Weight};
 use crate::batch::Batch;
@@ -220,7 +222,11 @@ impl Llama {
             hook("attn_norm", il, h);
             // q, k, v projections (+ bias)
             if fuse {
-                let ws = [layer.wq.view(bytes), layer.wk.view(bytes), layer.wv.view(bytes)];
+                let ws = [
+                    layer.wq.view(bytes),
+                    layer.wk.view(bytes),
+                    layer.wv.view(bytes),
+                ];
                 matmul_many(pool, &ws, h, &mut [&mut q[..], &mut k[..], &mut v[..]], qa)?;
             } else {
                 mm(&layer.wq, h, q, qa)?;
@@ -391,6 +397,8 @@ fn attention(
         (tiles.len() * hp.n_head_kv, group)
     };
     rt.pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         let (t0, t1, head0) = if n == 1 {
             (0, 1, task)
@@ -403,7 +411,8 @@ fn attention(
             for t in t0..t1 {
                 for head in head0..head0 + heads_per_task {
                     // SAFETY: as below.
-                    unsafe { std::slice::from_raw_parts_mut(dst.0.add(t * qd + head * hd), hd) }.fill(0.0);
+                    unsafe { std::slice::from_raw_parts_mut(dst.0.add(t * qd + head * hd), hd) }
+                        .fill(0.0);
                 }
             }
             return;

@@ -32,13 +32,13 @@ unsafe fn reduce8(v: &[__m256i; 8]) -> __m256i {
 unsafe fn half_to_f32<const HI: bool>(v: __m256i) -> __m256 {
     let s = if HI {
         _mm256_setr_epi8(
-            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1,
-            -1, -1, -1, -1,
+            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15,
+            -1, -1, -1, -1, -1, -1, -1, -1,
         )
     } else {
         _mm256_setr_epi8(
-            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1,
-            -1, -1, -1,
+            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1,
+            -1, -1, -1, -1, -1, -1, -1,
         )
     };
     let x = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_shuffle_epi8(v, s));
@@ -77,7 +77,14 @@ unsafe fn dot4<const SIGNED: bool>(w: __m256i, a: __m256i) -> __m256i {
 /// # Safety
 /// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+pub(crate) unsafe fn gemv_legacy<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
     let bs = block_bytes(F);
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
     let mut rp = [w; 8];
@@ -95,7 +102,11 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
         for r in 0..8 {
             _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add(8 * rb + b * bs) as *const i8);
             let u = unpack_legacy::<F>(rp[r].add(b * bs));
-            v[r] = if signed(F) { dot4::<true>(u, av) } else { dot4::<false>(u, av) };
+            v[r] = if signed(F) {
+                dot4::<true>(u, av)
+            } else {
+                dot4::<false>(u, av)
+            };
         }
         let mut sumi = reduce8(&v);
         if offset(F) != 0 {
@@ -111,7 +122,10 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
             _ => {
                 let mw = half_to_f32::<true>(sc);
                 let sa = _mm256_set1_ps(*a.s.add(b));
-                _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(dw, da), sf), _mm256_mul_ps(mw, sa))
+                _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(dw, da), sf),
+                    _mm256_mul_ps(mw, sa),
+                )
             }
         };
         acc = _mm256_add_ps(acc, t);
@@ -142,7 +156,14 @@ unsafe fn k4_scales(p: *const u8) -> [u8; 16] {
 /// # Safety
 /// As [`gemv_legacy`].
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+pub(crate) unsafe fn gemv_k<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
     let bs = block_bytes(F);
     let m4 = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
@@ -196,7 +217,8 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
                     }
                 }
                 let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
-                let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.add(260) as *const __m256i));
+                let corr =
+                    _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.add(260) as *const __m256i));
                 acc = _mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr));
                 let d = yd * f16(rd_u16(x.add(208)));
                 sum += d * hsum(acc) as f32;
@@ -213,15 +235,33 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
                     let mut lo = _mm256_and_si256(q, m4);
                     let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
                     if F == Q5_K {
-                        let h0 = _mm256_and_si256(_mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j as i32)), one);
-                        let h1 = _mm256_and_si256(_mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j as i32 + 1)), one);
+                        let h0 = _mm256_and_si256(
+                            _mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j as i32)),
+                            one,
+                        );
+                        let h1 = _mm256_and_si256(
+                            _mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j as i32 + 1)),
+                            one,
+                        );
                         lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(h0));
                         hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(h1));
                     }
-                    let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(y.add(4 + 64 * j) as *const __m256i));
-                    let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(y.add(36 + 64 * j) as *const __m256i));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(ms[2 * j] as i16)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(ms[2 * j + 1] as i16)));
+                    let plo = _mm256_maddubs_epi16(
+                        lo,
+                        _mm256_loadu_si256(y.add(4 + 64 * j) as *const __m256i),
+                    );
+                    let phi = _mm256_maddubs_epi16(
+                        hi,
+                        _mm256_loadu_si256(y.add(36 + 64 * j) as *const __m256i),
+                    );
+                    acc = _mm256_add_epi32(
+                        acc,
+                        _mm256_madd_epi16(plo, _mm256_set1_epi16(ms[2 * j] as i16)),
+                    );
+                    acc = _mm256_add_epi32(
+                        acc,
+                        _mm256_madd_epi16(phi, _mm256_set1_epi16(ms[2 * j + 1] as i16)),
+                    );
                 }
                 let bl = _mm_loadu_si128(y.add(260) as *const __m128i);
                 let bh = _mm_loadu_si128(y.add(276) as *const __m128i);
@@ -305,7 +345,10 @@ pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
                 _ => {
                     let mw = _mm256_loadu_ps(pb.add(576 + ho) as *const f32);
                     let sa = _mm256_set1_ps(*a[t].s.add(b));
-                    _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(dw, da), sf), _mm256_mul_ps(mw, sa))
+                    _mm256_add_ps(
+                        _mm256_mul_ps(_mm256_mul_ps(dw, da), sf),
+                        _mm256_mul_ps(mw, sa),
+                    )
                 }
             };
             accf[t] = _mm256_add_ps(accf[t], term);
@@ -347,7 +390,10 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
                 let wv = _mm256_loadu_si256(pb.add(64 * q + ho) as *const __m256i);
                 for t in 0..T {
                     let av = _mm256_set1_epi32(rd_i32(a[t].q.add(ao + 4 + 4 * q)));
-                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, av), ones));
+                    s[t] = _mm256_add_epi32(
+                        s[t],
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv, av), ones),
+                    );
                 }
             }
             let scv = _mm256_loadu_si256(pb.add(4096 + 64 * g + ho) as *const __m256i);

@@ -80,7 +80,10 @@ unsafe fn reduce8(z: &[__m512i; 8]) -> __m512i {
     let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     let pair = |a: __m512i, b: __m512i| {
-        _mm512_add_epi32(_mm512_permutex2var_epi32(a, e, b), _mm512_permutex2var_epi32(a, o, b))
+        _mm512_add_epi32(
+            _mm512_permutex2var_epi32(a, e, b),
+            _mm512_permutex2var_epi32(a, o, b),
+        )
     };
     let y0 = pair(z[0], z[1]);
     let y1 = pair(z[2], z[3]);
@@ -90,7 +93,10 @@ unsafe fn reduce8(z: &[__m512i; 8]) -> __m512i {
     let x1 = pair(y2, y3);
     let a = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
     let b = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
-    _mm512_add_epi32(_mm512_permutex2var_epi32(x0, a, x1), _mm512_permutex2var_epi32(x0, b, x1))
+    _mm512_add_epi32(
+        _mm512_permutex2var_epi32(x0, a, x1),
+        _mm512_permutex2var_epi32(x0, b, x1),
+    )
 }
 
 #[inline]
@@ -111,7 +117,14 @@ unsafe fn hi256(v: __m512) -> __m256 {
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI must be available; pointers must cover the stated sizes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+pub(crate) unsafe fn gemv_legacy<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
     let bs = block_bytes(F);
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
     let off = off512(F);
@@ -124,7 +137,11 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
         offs[8 + r] = (rr * rb + bs) as i32;
     }
     let idx_pair = _mm512_loadu_si512(offs.as_ptr() as *const __m512i);
-    let idx_one = _mm512_mask_blend_epi32(0xff00, idx_pair, _mm512_sub_epi32(idx_pair, _mm512_set1_epi32(bs as i32)));
+    let idx_one = _mm512_mask_blend_epi32(
+        0xff00,
+        idx_pair,
+        _mm512_sub_epi32(idx_pair, _mm512_set1_epi32(bs as i32)),
+    );
     let mut acc = _mm256_setzero_ps();
     let mut b = 0;
     while b < nb {
@@ -152,7 +169,10 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
             );
         }
         let sf = _mm512_cvtepi32_ps(sumi);
-        let sc = _mm512_i32gather_epi32::<1>(if pair { idx_pair } else { idx_one }, w.add(b * bs) as *const i32);
+        let sc = _mm512_i32gather_epi32::<1>(
+            if pair { idx_pair } else { idx_one },
+            w.add(b * bs) as *const i32,
+        );
         let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sc));
         let da = two_ps(*a.d.add(b), *a.d.add(b1));
         let t = match kind(F) {
@@ -161,7 +181,10 @@ pub(crate) unsafe fn gemv_legacy<const F: u8>(w: *const u8, rb: usize, nrows: us
             _ => {
                 let mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(sc)));
                 let sa = two_ps(*a.s.add(b), *a.s.add(b1));
-                _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dw, da), sf), _mm512_mul_ps(mw, sa))
+                _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(dw, da), sf),
+                    _mm512_mul_ps(mw, sa),
+                )
             }
         };
         acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
@@ -214,7 +237,14 @@ unsafe fn hsum128(v: __m128i) -> i32 {
 /// # Safety
 /// As [`gemv_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, nb: usize, a: ActRow, out: *mut f32) {
+pub(crate) unsafe fn gemv_k<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
     let bs = block_bytes(F);
     let m4 = _mm512_set1_epi8(0x0f);
     // scale-broadcast indices: Q4_K/Q5_K chunk k covers sub-blocks 2k, 2k+1 (16 i16 each);
@@ -257,7 +287,10 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
                 for h in 0..2 {
                     let l = _mm512_loadu_si512(x.add(64 * h) as *const __m512i);
                     let hb = _mm256_loadu_si256(x.add(128 + 32 * h) as *const __m256i);
-                    let hz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(hb), _mm256_srli_epi16::<2>(hb));
+                    let hz = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(hb),
+                        _mm256_srli_epi16::<2>(hb),
+                    );
                     let va = _mm512_or_si512(
                         _mm512_and_si512(l, m4),
                         _mm512_slli_epi16::<4>(_mm512_and_si512(hz, _mm512_set1_epi8(0x03))),
@@ -270,10 +303,16 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
                     let ab = _mm512_loadu_si512(y.add(4 + 128 * h + 64) as *const __m512i);
                     let pa = _mm512_maddubs_epi16(va, aa);
                     let pb = _mm512_maddubs_epi16(vb, ab);
-                    acc = _mm512_dpwssd_epi32(acc, pa, _mm512_permutexvar_epi16(q6idx[2 * h], sc512));
-                    acc = _mm512_dpwssd_epi32(acc, pb, _mm512_permutexvar_epi16(q6idx[2 * h + 1], sc512));
+                    acc =
+                        _mm512_dpwssd_epi32(acc, pa, _mm512_permutexvar_epi16(q6idx[2 * h], sc512));
+                    acc = _mm512_dpwssd_epi32(
+                        acc,
+                        pb,
+                        _mm512_permutexvar_epi16(q6idx[2 * h + 1], sc512),
+                    );
                 }
-                let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.add(260) as *const __m256i));
+                let corr =
+                    _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.add(260) as *const __m256i));
                 acc = _mm512_sub_epi32(acc, _mm512_slli_epi32::<5>(_mm512_zextsi256_si512(corr)));
                 let sumi = _mm512_reduce_add_epi32(acc);
                 let d = yd * f16(rd_u16(x.add(208)));
@@ -290,7 +329,10 @@ pub(crate) unsafe fn gemv_k<const F: u8>(w: *const u8, rb: usize, nrows: usize, 
                 for k in 0..4 {
                     let q = _mm256_loadu_si256(qs.add(32 * k) as *const __m256i);
                     let mut wz = _mm512_and_si512(
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16::<4>(q)),
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(q),
+                            _mm256_srli_epi16::<4>(q),
+                        ),
                         m4,
                     );
                     if F == Q5_K {
@@ -362,13 +404,20 @@ pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
                 _ => {
                     let mw = _mm512_loadu_ps(pb.add(576) as *const f32);
                     let sa = _mm512_set1_ps(*a[t].s.add(b));
-                    _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dw, da), sf), _mm512_mul_ps(mw, sa))
+                    _mm512_add_ps(
+                        _mm512_mul_ps(_mm512_mul_ps(dw, da), sf),
+                        _mm512_mul_ps(mw, sa),
+                    )
                 }
             };
             accf[t] = _mm512_add_ps(accf[t], term);
         }
     }
-    let m: __mmask16 = if nvalid >= 16 { 0xffff } else { (1u16 << nvalid) - 1 };
+    let m: __mmask16 = if nvalid >= 16 {
+        0xffff
+    } else {
+        (1u16 << nvalid) - 1
+    };
     for t in 0..T {
         _mm512_mask_storeu_ps(out[t], m, accf[t]);
     }
@@ -435,7 +484,11 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
             }
         }
     }
-    let m: __mmask16 = if nvalid >= 16 { 0xffff } else { (1u16 << nvalid) - 1 };
+    let m: __mmask16 = if nvalid >= 16 {
+        0xffff
+    } else {
+        (1u16 << nvalid) - 1
+    };
     for t in 0..T {
         _mm512_mask_storeu_ps(out[t], m, accf[t]);
     }

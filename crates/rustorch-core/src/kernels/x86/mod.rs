@@ -147,7 +147,12 @@ pub(crate) unsafe fn unpack_k<const F: u8>(p: *const u8, out: *mut u8) {
 /// # Safety
 /// AVX2 must be available; pointers must cover the stated sizes.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn pack_panel<const F: u8>(rows: &[*const u8; PANEL], nblk: usize, to_u8: bool, out: *mut u8) {
+pub(crate) unsafe fn pack_panel<const F: u8>(
+    rows: &[*const u8; PANEL],
+    nblk: usize,
+    to_u8: bool,
+    out: *mut u8,
+) {
     let bs = block_bytes(F);
     let pb = panel_block_bytes(F);
     let mut tmp = [0u8; 256];
@@ -156,7 +161,8 @@ pub(crate) unsafe fn pack_panel<const F: u8>(rows: &[*const u8; PANEL], nblk: us
         let o = out.add(b * pb);
         for (r, &row) in rows.iter().enumerate() {
             let p = row.add(b * bs);
-            let wr = |off: usize, v: u32| std::ptr::write_unaligned(o.add(off + 4 * r) as *mut u32, v);
+            let wr =
+                |off: usize, v: u32| std::ptr::write_unaligned(o.add(off + 4 * r) as *mut u32, v);
             if is_k(F) {
                 unpack_k::<F>(p, tp);
                 for q in 0..64 {
@@ -164,6 +170,7 @@ pub(crate) unsafe fn pack_panel<const F: u8>(rows: &[*const u8; PANEL], nblk: us
                 }
                 if F == Q6_K {
                     let sc = std::slice::from_raw_parts(p.add(192), 16);
+                    #[allow(clippy::needless_range_loop)] // indices address several arrays in step
                     for g in 0..16 {
                         wr(4096 + 64 * g, sc[g] as i8 as i32 as u32);
                     }
