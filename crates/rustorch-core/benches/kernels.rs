@@ -151,10 +151,13 @@ fn main() {
         let mut out = vec![0u8; x.len() / ty.block_size() * ty.type_size()];
         for &isa in &isas {
             let t = time(21, || quantize_simd(isa, ty, &x, &mut out).unwrap());
+            let mut qa = QActs::new();
+            let t2 = time(21, || qa.quantize(None, isa, ty, &x, 1536).unwrap());
             println!(
-                "quantize {ty} {}: {:.2} Gvalues/s",
+                "quantize {ty} {}: blocks {:.2} Gvalues/s, rows with side data {:.2} Gvalues/s",
                 isa.name(),
-                x.len() as f64 / t / 1e9
+                x.len() as f64 / t / 1e9,
+                x.len() as f64 / t2 / 1e9
             );
         }
     }

@@ -160,3 +160,34 @@ pub(crate) struct ActRow {
     /// Per-block quant sums (legacy formats).
     pub isum: *const i32,
 }
+
+/// A tile of up to `T` consecutive activation rows and where their outputs go.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tile {
+    /// The tile's first activation row.
+    pub a: ActRow,
+    /// Bytes between activation rows.
+    pub row_bytes: usize,
+    /// Blocks per activation row (stride of the side arrays).
+    pub nb: usize,
+    /// Valid rows in the tile; rows past it repeat the last one and are not stored.
+    pub nt: usize,
+    /// Output of the tile's first row (first panel row).
+    pub out: *mut f32,
+    /// Floats between consecutive rows' outputs.
+    pub ostride: usize,
+}
+
+impl Tile {
+    /// Activation row `t` of the tile.
+    #[inline(always)]
+    pub fn act(&self, t: usize) -> ActRow {
+        let t = t.min(self.nt - 1);
+        ActRow {
+            q: self.a.q.wrapping_add(t * self.row_bytes),
+            d: self.a.d.wrapping_add(t * self.nb),
+            s: self.a.s.wrapping_add(t * self.nb),
+            isum: self.a.isum.wrapping_add(t * self.nb),
+        }
+    }
+}

@@ -527,9 +527,9 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 type PackFn = unsafe fn(&[*const u8; fmt::PANEL], usize, bool, *mut u8);
 #[cfg(target_arch = "x86_64")]
-type Gemm512Fn = unsafe fn(*const u8, usize, &[ActRow; 8], &[*mut f32; 8], usize);
+type Gemm512Fn = unsafe fn(*const u8, usize, fmt::Tile, usize);
 #[cfg(target_arch = "x86_64")]
-type Gemm2Fn = unsafe fn(*const u8, usize, usize, &[ActRow; 4], &[*mut f32; 4], usize);
+type Gemm2Fn = unsafe fn(*const u8, usize, usize, fmt::Tile, usize);
 
 #[cfg(target_arch = "x86_64")]
 fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
@@ -566,35 +566,30 @@ fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
             let nvalid = (n_rows - r0).min(fmt::PANEL);
             let rows: [*const u8; fmt::PANEL] =
                 std::array::from_fn(|i| base.wrapping_add((r0 + i).min(n_rows - 1) * rb));
-            let mut sink = [0f32; fmt::PANEL * 8];
-            let sp = sink.as_mut_ptr();
-            // SAFETY: rows exist; the panel buffer holds `pbytes`; every output pointer is
-            // either this task's (t, r0..r0+nvalid) or the local sink.
+            // SAFETY: rows exist; the panel buffer holds `pbytes`; a tile writes outputs
+            // (t, r0..r0+nvalid) of its own valid tokens only.
             unsafe {
                 pack(&rows, nblk, avx512, buf.as_mut_ptr());
-                let out_ptr = |t: usize, i: usize| {
-                    if t < n_tok {
-                        dst.0.add(t * n_rows + r0)
+                let step = if avx512 { 8 } else { 4 };
+                for t0 in (0..n_tok).step_by(step) {
+                    let tile = fmt::Tile {
+                        a: act_row(qa, t0),
+                        row_bytes: qa.row_bytes,
+                        nb: qa.nb,
+                        nt: (n_tok - t0).min(step),
+                        out: dst.0.add(t0 * n_rows + r0),
+                        ostride: n_rows,
+                    };
+                    if avx512 {
+                        k512(buf.as_ptr(), nblk, tile, nvalid);
                     } else {
-                        sp.add(fmt::PANEL * i)
-                    }
-                };
-                if avx512 {
-                    for t0 in (0..n_tok).step_by(8) {
-                        let acts: [ActRow; 8] =
-                            std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
-                        let outs: [*mut f32; 8] = std::array::from_fn(|i| out_ptr(t0 + i, i));
-                        k512(buf.as_ptr(), nblk, &acts, &outs, nvalid);
-                    }
-                } else {
-                    for t0 in (0..n_tok).step_by(4) {
-                        let acts: [ActRow; 4] =
-                            std::array::from_fn(|i| act_row(qa, (t0 + i).min(n_tok - 1)));
-                        let outs: [*mut f32; 4] = std::array::from_fn(|i| out_ptr(t0 + i, i));
-                        k2(buf.as_ptr(), 0, nblk, &acts, &outs, nvalid.min(8));
+                        k2(buf.as_ptr(), 0, nblk, tile, nvalid.min(8));
                         if nvalid > 8 {
-                            let outs_hi: [*mut f32; 4] = std::array::from_fn(|i| outs[i].add(8));
-                            k2(buf.as_ptr(), 1, nblk, &acts, &outs_hi, nvalid - 8);
+                            let hi = fmt::Tile {
+                                out: tile.out.add(8),
+                                ..tile
+                            };
+                            k2(buf.as_ptr(), 1, nblk, hi, nvalid - 8);
                         }
                     }
                 }

@@ -8,7 +8,7 @@
 
 use super::cpu::Isa;
 use super::pool::ThreadPool;
-use crate::quant::{self, f16_to_f32, f32_to_f16, QuantError};
+use crate::quant::{self, f16_to_f32, QuantError};
 use crate::types::GgmlType;
 
 /// Quantized activation rows plus per-block side data.
@@ -159,17 +159,26 @@ fn quantize_row(
             // The reference conversion (F16 rounding is exact-to-nearest-even either way).
             let _ = quant::quantize(ty, x, out);
         }
+        #[cfg(target_arch = "x86_64")]
+        _ if matches!(isa, Isa::Avx2 | Isa::Avx512) => {
+            // SAFETY: the family was detected.
+            unsafe { x86::quantize_row(ty, x, out, d, s, isum) }
+        }
         _ => {
             for (b, (xb, ob)) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)).enumerate() {
                 let done = match isa {
+                    // SAFETY: the family was detected.
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(ty, xb, ob) },
-                    _ => false,
+                    _ => None,
                 };
-                if !done {
-                    let _ = quant::quantize(ty, xb, ob);
-                }
-                let (db, sb, ib) = block_meta(ty, ob);
+                let (db, sb, ib) = match done {
+                    Some(meta) => meta,
+                    None => {
+                        let _ = quant::quantize(ty, xb, ob);
+                        block_meta(ty, ob)
+                    }
+                };
                 d[b] = db;
                 if !s.is_empty() {
                     s[b] = sb;
@@ -215,9 +224,9 @@ pub fn quantize_simd(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8]) -> Resul
         let done = match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(ty, xb, ob) },
-            _ => false,
+            _ => None,
         };
-        if !done {
+        if done.is_none() {
             quant::quantize(ty, xb, ob)?;
         }
     }
@@ -229,12 +238,17 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Quantizes one block with AVX2; `false` (nothing written) when the block holds
-    /// non-finite values or a degenerate scale, which the reference then handles.
+    /// Quantizes one block with AVX2 and returns its side data (as [`block_meta`]); `None`
+    /// (nothing written) when the block holds non-finite values or a degenerate scale, which
+    /// the reference then handles.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `x`/`out` hold one block of `ty`.
-    pub(super) unsafe fn quantize_block(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
+    pub(super) unsafe fn quantize_block(
+        ty: GgmlType,
+        x: &[f32],
+        out: &mut [u8],
+    ) -> Option<(f32, f32, i32)> {
         match ty {
             GgmlType::Q8_0 if x.len() == 32 && out.len() == 34 => {
                 q8_legacy(x.as_ptr(), out.as_mut_ptr(), false)
@@ -245,8 +259,55 @@ mod x86 {
             GgmlType::Q8_K if x.len() == 256 && out.len() == 292 => {
                 q8_k(x.as_ptr(), out.as_mut_ptr())
             }
-            _ => false,
+            _ => None,
         }
+    }
+
+    /// [`super::quantize_row`] with the SIMD block encoders inlined.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_row(
+        ty: GgmlType,
+        x: &[f32],
+        out: &mut [u8],
+        d: &mut [f32],
+        s: &mut [f32],
+        isum: &mut [i32],
+    ) {
+        let (bs, ts) = (ty.block_size(), ty.type_size());
+        for (b, (xb, ob)) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)).enumerate() {
+            let done = match ty {
+                GgmlType::Q8_0 => q8_legacy(xb.as_ptr(), ob.as_mut_ptr(), false),
+                GgmlType::Q8_1 => q8_legacy(xb.as_ptr(), ob.as_mut_ptr(), true),
+                _ => q8_k(xb.as_ptr(), ob.as_mut_ptr()),
+            };
+            let (db, sb, ib) = match done {
+                Some(meta) => meta,
+                None => {
+                    let _ = quant::quantize(ty, xb, ob);
+                    block_meta(ty, ob)
+                }
+            };
+            d[b] = db;
+            if !s.is_empty() {
+                s[b] = sb;
+            }
+            isum[b] = ib;
+        }
+    }
+
+    /// f32 → f16 bits, round to nearest even (equal to `f32_to_f16` for finite values), and
+    /// the f16 value back as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn to_f16(x: f32) -> (u16, f32) {
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x));
+        (
+            _mm_extract_epi16::<0>(h) as u16,
+            _mm_cvtss_f32(_mm_cvtph_ps(h)),
+        )
     }
 
     #[inline]
@@ -286,8 +347,9 @@ mod x86 {
     }
 
     /// Q8_0 / Q8_1 (`quantize_8bit`: `d = amax / 127`, `q = round(x / d)` half away from zero).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_legacy(x: *const f32, out: *mut u8, q8_1: bool) -> bool {
+    unsafe fn q8_legacy(x: *const f32, out: *mut u8, q8_1: bool) -> Option<(f32, f32, i32)> {
         let v = [
             _mm256_loadu_ps(x),
             _mm256_loadu_ps(x.add(8)),
@@ -298,7 +360,7 @@ mod x86 {
         let mut m = _mm256_setzero_ps();
         for vi in v {
             if any_nonfinite(vi) {
-                return false;
+                return None;
             }
             m = _mm256_max_ps(m, _mm256_and_ps(vi, absm));
         }
@@ -306,7 +368,7 @@ mod x86 {
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         if !id.is_finite() || (d != 0.0 && d < f32::MIN_POSITIVE) {
-            return false;
+            return None;
         }
         let vid = _mm256_set1_ps(id);
         let half = _mm256_set1_ps(0.5);
@@ -327,36 +389,40 @@ mod x86 {
             _mm256_add_epi32(q[0], q[1]),
             _mm256_add_epi32(q[2], q[3]),
         ));
-        let dh = f32_to_f16(d).to_le_bytes();
+        let (dh, df) = to_f16(d);
+        let dh = dh.to_le_bytes();
         *out = dh[0];
         *out.add(1) = dh[1];
         if q8_1 {
-            let sh = f32_to_f16(sum as f32 * d).to_le_bytes();
+            let (sh, sf) = to_f16(sum as f32 * d);
+            let sh = sh.to_le_bytes();
             *out.add(2) = sh[0];
             *out.add(3) = sh[1];
             _mm256_storeu_si256(out.add(4) as *mut __m256i, bytes);
+            Some((df, sf, sum))
         } else {
             _mm256_storeu_si256(out.add(2) as *mut __m256i, bytes);
+            Some((df, 0.0, sum))
         }
-        true
     }
 
     /// Q8_K (`-127 / max` scale, `max` the first value of largest magnitude, nearest-even).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_k(x: *const f32, out: *mut u8) -> bool {
+    unsafe fn q8_k(x: *const f32, out: *mut u8) -> Option<(f32, f32, i32)> {
         let absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let mut m = _mm256_setzero_ps();
         for i in 0..32 {
             let vi = _mm256_loadu_ps(x.add(8 * i));
             if any_nonfinite(vi) {
-                return false;
+                return None;
             }
             m = _mm256_max_ps(m, _mm256_and_ps(vi, absm));
         }
         let amax = hmax(m);
         if amax == 0.0 {
             std::ptr::write_bytes(out, 0, 292);
-            return true;
+            return Some((0.0, 0.0, 0));
         }
         let va = _mm256_set1_ps(amax);
         let mut max = 0.0f32;
@@ -370,7 +436,7 @@ mod x86 {
         }
         let iscale = -127.0f32 / max;
         if !iscale.is_finite() {
-            return false;
+            return None;
         }
         let vs = _mm256_set1_ps(iscale);
         let lim = _mm256_set1_epi32(127);
@@ -386,13 +452,13 @@ mod x86 {
             bsums[2 * g] = hsum_i32(_mm256_add_epi32(q[0], q[1])) as i16;
             bsums[2 * g + 1] = hsum_i32(_mm256_add_epi32(q[2], q[3])) as i16;
         }
-        let d = (1.0 / iscale).to_le_bytes();
-        std::ptr::copy_nonoverlapping(d.as_ptr(), out, 4);
+        let d = 1.0 / iscale;
+        std::ptr::copy_nonoverlapping(d.to_le_bytes().as_ptr(), out, 4);
         for (k, s) in bsums.iter().enumerate() {
             let b = s.to_le_bytes();
             *out.add(260 + 2 * k) = b[0];
             *out.add(261 + 2 * k) = b[1];
         }
-        true
+        Some((d, 0.0, 0))
     }
 }

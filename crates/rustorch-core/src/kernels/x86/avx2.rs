@@ -302,10 +302,10 @@ pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
     panel: *const u8,
     half: usize,
     nb: usize,
-    a: &[ActRow; T],
-    out: &[*mut f32; T],
+    tile: Tile,
     nvalid: usize,
 ) {
+    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
     let pbb = panel_block_bytes(F);
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
     let ho = 32 * half;
@@ -354,8 +354,8 @@ pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
             accf[t] = _mm256_add_ps(accf[t], term);
         }
     }
-    for t in 0..T {
-        store_rows(out[t], accf[t], nvalid);
+    for (t, acc) in accf.iter().enumerate().take(tile.nt.min(T)) {
+        store_rows(tile.out.add(t * tile.ostride), *acc, nvalid);
     }
 }
 
@@ -368,10 +368,10 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
     panel: *const u8,
     half: usize,
     nb: usize,
-    a: &[ActRow; T],
-    out: &[*mut f32; T],
+    tile: Tile,
     nvalid: usize,
 ) {
+    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
     let pbb = panel_block_bytes(F);
     let (ng, qpg) = if F == Q6_K { (16, 4) } else { (8, 8) };
     let base2 = if F == Q6_K { 5120 } else { 4608 };
@@ -426,7 +426,7 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
             }
         }
     }
-    for t in 0..T {
-        store_rows(out[t], accf[t], nvalid);
+    for (t, acc) in accf.iter().enumerate().take(tile.nt.min(T)) {
+        store_rows(tile.out.add(t * tile.ostride), *acc, nvalid);
     }
 }

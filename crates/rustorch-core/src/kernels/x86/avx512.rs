@@ -372,10 +372,10 @@ unsafe fn f16(h: u16) -> f32 {
 pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
     panel: *const u8,
     nb: usize,
-    a: &[ActRow; T],
-    out: &[*mut f32; T],
+    tile: Tile,
     nvalid: usize,
 ) {
+    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
     let pbb = panel_block_bytes(F);
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
     let off = off512(F);
@@ -418,8 +418,8 @@ pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
     } else {
         (1u16 << nvalid) - 1
     };
-    for t in 0..T {
-        _mm512_mask_storeu_ps(out[t], m, accf[t]);
+    for (t, acc) in accf.iter().enumerate().take(tile.nt.min(T)) {
+        _mm512_mask_storeu_ps(tile.out.add(t * tile.ostride), m, *acc);
     }
 }
 
@@ -431,10 +431,10 @@ pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
 pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
     panel: *const u8,
     nb: usize,
-    a: &[ActRow; T],
-    out: &[*mut f32; T],
+    tile: Tile,
     nvalid: usize,
 ) {
+    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
     let pbb = panel_block_bytes(F);
     let (ng, qpg) = if F == Q6_K { (16, 4) } else { (8, 8) };
     let base2 = if F == Q6_K { 5120 } else { 4608 };
@@ -489,7 +489,7 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
     } else {
         (1u16 << nvalid) - 1
     };
-    for t in 0..T {
-        _mm512_mask_storeu_ps(out[t], m, accf[t]);
+    for (t, acc) in accf.iter().enumerate().take(tile.nt.min(T)) {
+        _mm512_mask_storeu_ps(tile.out.add(t * tile.ostride), m, *acc);
     }
 }
