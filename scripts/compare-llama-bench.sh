@@ -2,8 +2,10 @@
 # Side-by-side speed of `rustorch bench` and llama.cpp's `llama-bench` on the same models,
 # with the same -p/-n/-t/-r, run alternately (ours, llama.cpp, ours, llama.cpp, ...) so that
 # both see the same machine load. Prints one table of medians over all samples of all
-# rounds and the ratio ours / llama.cpp, plus load time (llama.cpp: `llama-completion`'s
-# "load time") and peak RSS of each bench process (/usr/bin/time).
+# rounds and the ratio ours / llama.cpp, plus load time (ours: open + parse + model set-up
+# as `rustorch bench` reports it; llama.cpp: `llama_model_load_from_file` timed by
+# scripts/llama-load-time.c; and for both the wall time of a process that loads the model
+# and decodes one token) and peak RSS of each bench process (/usr/bin/time).
 #
 #   scripts/compare-llama-bench.sh [-m MODEL]... [-p 512] [-n 128] [-t 2] [-r 5] [--rounds 2]
 #                                  [--json-dir DIR]
@@ -45,6 +47,13 @@ if [ ! -x "$lbin/llama-bench" ]; then
   scripts/build-llama-cpp.sh
 fi
 cargo build --release -p rustorch-cli >&2
+# llama.cpp's model load time, measured around llama_model_load_from_file
+src="$cache/llama_cpp_python-0.3.36/vendor/llama.cpp"
+loadtool="$cache/llama-load-time"
+if [ ! -x "$loadtool" ] || [ scripts/llama-load-time.c -nt "$loadtool" ]; then
+  cc -O2 -o "$loadtool" scripts/llama-load-time.c -I"$src/include" -I"$src/ggml/include" \
+    -L"$lbin" -lllama -lggml -lggml-base -Wl,-rpath,"$lbin"
+fi
 ours="${CARGO_TARGET_DIR:-target}/release/rustorch"
 
 out="${json_dir:-$(mktemp -d)}"
@@ -69,13 +78,29 @@ for round in $(seq 1 "$rounds"); do
     echo "round $round: $m" >&2
     measure "$out/ours-$round-$i.json" "$ours" bench -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
     measure "$out/lcpp-$round-$i.json" "$lbin/llama-bench" -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
-    LD_LIBRARY_PATH="$lbin" "$lbin/llama-completion" -m "$m" -p "Hello" -n 1 --no-warmup -t "$t" \
-      -no-cnv > /dev/null 2> "$out/lcpp-load-$round-$i.txt" < /dev/null || true
+  done
+done
+
+# Load time: each tool's own figure (ours: open + parse + set up the model; llama.cpp:
+# llama-completion's "load time") and the wall time of a process that loads the model and
+# decodes one token (both tools), alternating, `loads` times per model.
+loads=5
+now_ns() { date +%s%N; }
+for i in "${!models[@]}"; do
+  m="${models[$i]}"
+  for k in $(seq 1 "$loads"); do
+    t0=$(now_ns)
+    "$ours" bench -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > "$out/ours-load-$k-$i.json" 2> /dev/null
+    t1=$(now_ns)
+    "$lbin/llama-bench" -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > /dev/null 2>&1
+    t2=$(now_ns)
+    echo "$(( (t1 - t0) / 1000 )) $(( (t2 - t1) / 1000 ))" > "$out/wall-load-$k-$i.txt"
+    "$loadtool" "$m" > "$out/lcpp-load-$k-$i.txt" 2> /dev/null || echo nan > "$out/lcpp-load-$k-$i.txt"
   done
 done
 
 python3 - "$out" "$rounds" "${models[@]}" <<'EOF'
-import json, os, re, statistics, sys
+import json, os, statistics, sys
 out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def load(path):
     with open(path) as f:
@@ -92,16 +117,21 @@ for i, m in enumerate(models):
                 key = f"pp{rec['n_prompt']}" if rec["n_gen"] == 0 else f"tg{rec['n_gen']}"
                 dst.setdefault(key, []).extend(rec["samples_ts"])
                 if name == "ours":
-                    ours_load.append(rec["load_ms"])
                     file_size, kv = rec["file_size"], max(kv, rec["kv_cache_bytes"])
             try:
                 rss.append(int(open(base + ".rss").read().split()[-1]) * 1024)
             except (OSError, ValueError, IndexError):
                 pass
-        txt = open(f"{out}/lcpp-load-{rd}-{i}.txt", errors="replace").read()
-        mm = re.search(r"load time =\s*([0-9.]+) ms", txt)
-        if mm:
-            lcpp_load.append(float(mm.group(1)))
+    ours_load, walls = [], []
+    k = 1
+    while os.path.exists(f"{out}/wall-load-{k}-{i}.txt"):
+        ours_load += [r["load_ms"] for r in load(f"{out}/ours-load-{k}-{i}.json")]
+        walls.append([int(v) / 1000 for v in open(f"{out}/wall-load-{k}-{i}.txt").read().split()])
+        try:
+            lcpp_load.append(float(open(f"{out}/lcpp-load-{k}-{i}.txt").read().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+        k += 1
     name = os.path.basename(m)
     for key in sorted(ours, key=lambda k: (k[:2] != "pp", k)):
         a, b = statistics.median(ours[key]), statistics.median(lcpp.get(key, [float("nan")]))
@@ -110,16 +140,18 @@ for i, m in enumerate(models):
     ll = statistics.median(lcpp_load) if lcpp_load else float("nan")
     orss = max(ours_rss) if ours_rss else 0
     lrss = max(lcpp_rss) if lcpp_rss else 0
-    extra.append((name, ol, ll, orss, lrss, file_size + kv + 64 * 2**20))
+    wo = statistics.median(w[0] for w in walls) if walls else float("nan")
+    wl = statistics.median(w[1] for w in walls) if walls else float("nan")
+    extra.append((name, ol, ll, wo, wl, orss, lrss, file_size + kv + 64 * 2**20))
 print("| model | test | rustorch t/s | llama.cpp t/s | ratio |")
 print("| --- | --- | ---: | ---: | ---: |")
 for name, key, a, b, q in rows:
     print(f"| {name} | {key} | {a:.2f} | {b:.2f} | {q:.2f} |")
 print()
-print("| model | load rustorch (ms) | load llama.cpp (ms) | peak RSS rustorch (MiB) | peak RSS llama-bench (MiB) | RSS budget file+KV+64 MiB |")
-print("| --- | ---: | ---: | ---: | ---: | ---: |")
-for name, ol, ll, orss, lrss, budget in extra:
-    print(f"| {name} | {ol:.1f} | {ll:.1f} | {orss / 2**20:.1f} | {lrss / 2**20:.1f} | {budget / 2**20:.1f} |")
+print("| model | load rustorch (ms) | load llama.cpp (ms) | load+1 token, process wall: rustorch / llama-bench (ms) | peak RSS rustorch (MiB) | peak RSS llama-bench (MiB) | RSS budget file+KV+64 MiB |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+for name, ol, ll, wo, wl, orss, lrss, budget in extra:
+    print(f"| {name} | {ol:.1f} | {ll:.1f} | {wo:.0f} / {wl:.0f} | {orss / 2**20:.1f} | {lrss / 2**20:.1f} | {budget / 2**20:.1f} |")
 print()
 print(f"medians over {rounds} alternating rounds; raw JSON in {out}")
 EOF

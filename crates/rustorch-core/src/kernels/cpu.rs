@@ -85,6 +85,7 @@ fn has_avx512() -> bool {
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx512dq")
 }
 
 static ACTIVE: AtomicU8 = AtomicU8::new(0);

@@ -47,12 +47,12 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
     match ty {
         F32 => dot_f32(n, w, a),
         F16 => dot_f16(n, w, a),
-        Q4_0 => dot_q4_0(n / 32, w, a),
-        Q4_1 => dot_q4_1(n / 32, w, a),
-        Q5_0 => dot_q5_0(n / 32, w, a),
-        Q5_1 => dot_q5_1(n / 32, w, a),
-        Q8_0 => dot_q8_0(n / 32, w, a),
-        IQ4_NL => dot_iq4_nl(n / 32, w, a),
+        Q4_0 => dot_legacy(Q4_0, n / 32, w, a),
+        Q4_1 => dot_legacy(Q4_1, n / 32, w, a),
+        Q5_0 => dot_legacy(Q5_0, n / 32, w, a),
+        Q5_1 => dot_legacy(Q5_1, n / 32, w, a),
+        Q8_0 => dot_legacy(Q8_0, n / 32, w, a),
+        IQ4_NL => dot_legacy(IQ4_NL, n / 32, w, a),
         Q4_K => dot_q4_k(n / 256, w, a),
         Q5_K => dot_q5_k(n / 256, w, a),
         Q6_K => dot_q6_k(n / 256, w, a),
@@ -76,106 +76,102 @@ fn dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
     s as f32
 }
 
-/// Sum of `q8[j] * (lo/hi nibble of q4[j])` over a 32-element block whose nibbles are
-/// laid out as ggml's legacy formats: low nibbles are elements 0..16, high 16..32.
+/// The 32 values of a legacy weight block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) as
+/// integers in element order, zero points removed (Q4_1/Q5_1 keep their unsigned values;
+/// their minimum is applied through the activation block's `s`).
 #[inline(always)]
-fn nibble_dot(qs: &[u8], q8: &[u8], offset: i32) -> i32 {
-    let mut s = 0i32;
-    for j in 0..16 {
-        let lo = (qs[j] & 0x0f) as i32 - offset;
-        let hi = (qs[j] >> 4) as i32 - offset;
-        s += lo * q8[j] as i8 as i32 + hi * q8[j + 16] as i8 as i32;
+pub(crate) fn legacy_values(ty: GgmlType, x: &[u8]) -> [i32; 32] {
+    use GgmlType::*;
+    let mut v = [0i32; 32];
+    match ty {
+        Q8_0 => {
+            for (o, &q) in v.iter_mut().zip(&x[2..34]) {
+                *o = q as i8 as i32;
+            }
+        }
+        Q4_0 | Q4_1 | IQ4_NL => {
+            let qs = if ty == Q4_1 { &x[4..20] } else { &x[2..18] };
+            for j in 0..16 {
+                let (lo, hi) = ((qs[j] & 0x0f) as usize, (qs[j] >> 4) as usize);
+                (v[j], v[j + 16]) = match ty {
+                    Q4_0 => (lo as i32 - 8, hi as i32 - 8),
+                    Q4_1 => (lo as i32, hi as i32),
+                    _ => (IQ4NL_VALUES[lo] as i32, IQ4NL_VALUES[hi] as i32),
+                };
+            }
+        }
+        _ => {
+            // Q5_0 / Q5_1
+            let (hq, qs, off) = if ty == Q5_0 {
+                (2, &x[6..22], 16)
+            } else {
+                (4, &x[8..24], 0)
+            };
+            let qh = u32::from_le_bytes([x[hq], x[hq + 1], x[hq + 2], x[hq + 3]]);
+            for j in 0..16 {
+                let h0 = ((qh >> j) << 4) & 0x10;
+                let h1 = (qh >> (j + 12)) & 0x10;
+                v[j] = ((qs[j] & 0x0f) as u32 | h0) as i32 - off;
+                v[j + 16] = ((qs[j] >> 4) as u32 | h1) as i32 - off;
+            }
+        }
     }
-    s
+    v
 }
 
-fn dot_q4_0(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for b in 0..nb {
-        let x = &w[b * 18..b * 18 + 18];
-        let y = &a[b * 34..b * 34 + 34];
-        let sumi = nibble_dot(&x[2..18], &y[2..34], 8);
-        sum += sumi as f32 * rd_f16(x, 0) * rd_f16(y, 0);
-    }
-    sum
-}
-
-fn dot_q4_1(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for b in 0..nb {
-        let x = &w[b * 20..b * 20 + 20];
-        let y = &a[b * 36..b * 36 + 36];
-        let sumi = nibble_dot(&x[4..20], &y[4..36], 0);
-        sum += (rd_f16(x, 0) * rd_f16(y, 0)) * sumi as f32 + rd_f16(x, 2) * rd_f16(y, 2);
-    }
-    sum
-}
-
+/// ggml's `hsum_float_8`: `(v[i] + v[4 + i])`, then `(r0 + r2) + (r1 + r3)`.
 #[inline(always)]
-fn q5_dot(qh: u32, qs: &[u8], q8: &[u8], offset: i32) -> i32 {
-    let mut s = 0i32;
-    for j in 0..16 {
-        let h0 = ((qh >> j) << 4) & 0x10;
-        let h1 = (qh >> (j + 12)) & 0x10;
-        let x0 = ((qs[j] & 0x0f) as u32 | h0) as i32 - offset;
-        let x1 = ((qs[j] >> 4) as u32 | h1) as i32 - offset;
-        s += x0 * q8[j] as i8 as i32 + x1 * q8[j + 16] as i8 as i32;
-    }
-    s
+pub(crate) fn hsum8(v: &[f32; 8]) -> f32 {
+    let r = [v[4] + v[0], v[5] + v[1], v[6] + v[2], v[7] + v[3]];
+    (r[0] + r[2]) + (r[1] + r[3])
 }
 
-fn dot_q5_0(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for b in 0..nb {
-        let x = &w[b * 22..b * 22 + 22];
-        let y = &a[b * 34..b * 34 + 34];
-        let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
-        let sumi = q5_dot(qh, &x[6..22], &y[2..34], 16);
-        sum += sumi as f32 * rd_f16(x, 0) * rd_f16(y, 0);
-    }
-    sum
-}
-
-fn dot_q5_1(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for b in 0..nb {
-        let x = &w[b * 24..b * 24 + 24];
-        let y = &a[b * 36..b * 36 + 36];
-        let qh = u32::from_le_bytes([x[4], x[5], x[6], x[7]]);
-        let sumi = q5_dot(qh, &x[8..24], &y[4..36], 0);
-        sum += (rd_f16(x, 0) * rd_f16(y, 0)) * sumi as f32 + rd_f16(x, 2) * rd_f16(y, 2);
-    }
-    sum
-}
-
-fn dot_q8_0(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for b in 0..nb {
-        let x = &w[b * 34..b * 34 + 34];
-        let y = &a[b * 34..b * 34 + 34];
-        let mut sumi = 0i32;
-        for j in 0..32 {
-            sumi += x[2 + j] as i8 as i32 * y[2 + j] as i8 as i32;
+/// Legacy-format dot product with the float steps of ggml's x86 kernels (AVX2
+/// `ggml_vec_dot_*_q8_*` and llamafile's tinyBLAS, which agree): per block, eight lane sums
+/// of four consecutive products, converted to f32 and fused-multiply-added into eight
+/// accumulators with the block scale `dw * da`; then [`hsum8`]. Q4_1/Q5_1 add the fused sum
+/// of `mw * sa` over the blocks. IQ4_NL alternates two accumulators over block pairs, as
+/// ggml's kernel does, and adds an odd last block separately.
+fn dot_legacy(ty: GgmlType, nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let (wb, ab, aq) = (ty.type_size(), vec_dot_type(ty).type_size(), match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 => 4,
+        _ => 2,
+    });
+    let mut acc = [[0f32; 8]; 2];
+    let mut summs = 0f32;
+    let pairs = ty == GgmlType::IQ4_NL;
+    let nb_main = if pairs { nb & !1 } else { nb };
+    for b in 0..nb_main {
+        let x = &w[b * wb..(b + 1) * wb];
+        let y = &a[b * ab..(b + 1) * ab];
+        let v = legacy_values(ty, x);
+        let scale = rd_f16(x, 0) * rd_f16(y, 0);
+        let acc = &mut acc[if pairs { b & 1 } else { 0 }];
+        for (l, a) in acc.iter_mut().enumerate() {
+            let mut s = 0i32;
+            for e in 4 * l..4 * l + 4 {
+                s += v[e] * y[aq + e] as i8 as i32;
+            }
+            *a = scale.mul_add(s as f32, *a);
         }
-        sum += sumi as f32 * (rd_f16(x, 0) * rd_f16(y, 0));
-    }
-    sum
-}
-
-fn dot_iq4_nl(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for b in 0..nb {
-        let x = &w[b * 18..b * 18 + 18];
-        let y = &a[b * 34..b * 34 + 34];
-        let mut sumi = 0i32;
-        for j in 0..16 {
-            let q = x[2 + j];
-            sumi += IQ4NL_VALUES[(q & 0x0f) as usize] as i32 * y[2 + j] as i8 as i32
-                + IQ4NL_VALUES[(q >> 4) as usize] as i32 * y[18 + j] as i8 as i32;
+        if aq == 4 {
+            summs = rd_f16(x, 2).mul_add(rd_f16(y, 2), summs);
         }
-        sum += (rd_f16(x, 0) * rd_f16(y, 0)) * sumi as f32;
     }
-    sum
+    let mut sum = if pairs {
+        let s: [f32; 8] = std::array::from_fn(|l| acc[0][l] + acc[1][l]);
+        hsum8(&s)
+    } else {
+        hsum8(&acc[0])
+    };
+    for b in nb_main..nb {
+        let x = &w[b * wb..(b + 1) * wb];
+        let y = &a[b * ab..(b + 1) * ab];
+        let v = legacy_values(ty, x);
+        let s: i32 = (0..32).map(|e| v[e] * y[aq + e] as i8 as i32).sum();
+        sum = (rd_f16(y, 0) * rd_f16(x, 0)).mul_add(s as f32, sum);
+    }
+    sum + summs
 }
 
 /// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K super-block.

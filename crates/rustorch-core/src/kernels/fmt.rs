@@ -7,6 +7,9 @@
 //! scalar reference, the AVX2 and AVX-512 GEMV, and the tiled GEMM give bit-identical
 //! results for the quantized formats, whatever the batch size or thread count.
 
+// Only the x86-64 kernels read these layouts so far.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 use crate::types::GgmlType;
 
 pub(crate) const Q4_0: u8 = 0;

@@ -21,6 +21,7 @@ mod fmt;
 pub mod ops;
 mod pool;
 mod qact;
+pub mod gexp;
 pub mod vexp;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -291,9 +292,9 @@ fn matmul_fused(
     {
         let kern = |f: u8| -> GemvFn {
             if isa == Isa::Avx512 {
-                with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::avx512::gemv_legacy::<F> })
+                with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
             } else {
-                with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::avx2::gemv_legacy::<F> })
+                with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
             }
         };
         struct Job {
@@ -380,7 +381,7 @@ fn matmul_fused(
                             std::slice::from_raw_parts(dsts[1].0.add(t * n_rows + r0), r1 - r0),
                         )
                     };
-                    vexp::swiglu(isa, g, u);
+                    gexp::swiglu_part(isa, g, u, r0, n_rows);
                 }
             }
         });
@@ -392,7 +393,7 @@ fn matmul_fused(
 fn swiglu_rows(pool: &ThreadPool, isa: Isa, gate: &mut [f32], up: &[f32], n: usize) {
     let n_tok = gate.len() / n.max(1);
     if n_tok < 4 {
-        vexp::swiglu(isa, gate, up);
+        gexp::swiglu(isa, gate, up, n);
         return;
     }
     let dst = SendPtr(gate.as_mut_ptr());
@@ -404,10 +405,11 @@ fn swiglu_rows(pool: &ThreadPool, isa: Isa, gate: &mut [f32], up: &[f32], n: usi
         let (t0, t1) = (task * per, ((task + 1) * per).min(n_tok));
         // SAFETY: tasks own disjoint token rows.
         let g = unsafe { std::slice::from_raw_parts_mut(dst.0.add(t0 * n), (t1 - t0) * n) };
-        vexp::swiglu(isa, g, &up[t0 * n..t1 * n]);
+        gexp::swiglu(isa, g, &up[t0 * n..t1 * n], n);
     });
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn act_row(qa: &QActs, t: usize) -> ActRow {
     let nb = qa.nb;
     // SAFETY (of later reads): `t < n_rows`; side arrays are empty where the format has none
@@ -483,9 +485,9 @@ type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
 #[cfg(target_arch = "x86_64")]
 fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
     let kern: GemvFn = if isa == Isa::Avx512 {
-        with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::avx512::gemv_legacy::<F> })
+        with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
     } else {
-        with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::avx2::gemv_legacy::<F> })
+        with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
     };
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
@@ -532,7 +534,55 @@ type Gemm512Fn = unsafe fn(*const u8, usize, fmt::Tile, usize);
 type Gemm2Fn = unsafe fn(*const u8, usize, usize, fmt::Tile, usize);
 
 #[cfg(target_arch = "x86_64")]
+type TileFn = unsafe fn(*const u8, usize, usize, usize, &[ActRow; 4], usize, *mut f32, usize);
+
+/// Legacy formats: tiles of 4 activation rows against groups of weight rows, with ggml's
+/// per-element float steps (`x86::lanes`).
+#[cfg(target_arch = "x86_64")]
+fn x86_gemm_lanes(pool: &ThreadPool, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    let kern: TileFn = with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn);
+    let n_rows = w.n_rows;
+    let n_tok = qa.n_rows;
+    let rb = w.row_bytes();
+    let nb = w.n_cols / fmt::block_len(f);
+    let groups = n_rows.div_ceil(16);
+    let (n_tasks, per) = split(pool, groups, 1);
+    let dst = SendPtr(out.as_mut_ptr());
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        let base = w.data.as_ptr();
+        for g in task * per..((task + 1) * per).min(groups) {
+            let r0 = 16 * g;
+            let nr = (n_rows - r0).min(16);
+            for t0 in (0..n_tok).step_by(4) {
+                let nt = (n_tok - t0).min(4);
+                let acts: [ActRow; 4] = std::array::from_fn(|i| act_row(qa, t0 + i.min(nt - 1)));
+                // SAFETY: rows r0..r0+nr exist; outputs (t0..t0+nt, r0..r0+nr) belong to this task.
+                unsafe {
+                    kern(
+                        base.add(r0 * rb),
+                        rb,
+                        nr,
+                        nb,
+                        &acts,
+                        nt,
+                        dst.0.add(t0 * n_rows + r0),
+                        n_rows,
+                    )
+                };
+            }
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
 fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    if !fmt::is_k(f) {
+        x86_gemm_lanes(pool, f, w, qa, out);
+        return;
+    }
     let pack: PackFn = with_fmt!(f, F => x86::pack_panel::<F> as PackFn);
     let k512: Gemm512Fn = with_fmt!(f, F => if fmt::is_k(F) {
         x86::avx512::gemm_k::<F, 8> as Gemm512Fn

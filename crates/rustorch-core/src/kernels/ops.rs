@@ -58,15 +58,15 @@ impl Rope {
             RopeMode::Normal => {
                 for i in 0..half {
                     let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = x0 * cos[i] - x1 * sin[i];
-                    head[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
+                    head[2 * i] = x0.mul_add(cos[i], -(x1 * sin[i]));
+                    head[2 * i + 1] = x0.mul_add(sin[i], x1 * cos[i]);
                 }
             }
             RopeMode::Neox => {
                 for i in 0..half {
                     let (x0, x1) = (head[i], head[i + half]);
-                    head[i] = x0 * cos[i] - x1 * sin[i];
-                    head[i + half] = x0 * sin[i] + x1 * cos[i];
+                    head[i] = x0.mul_add(cos[i], -(x1 * sin[i]));
+                    head[i + half] = x0.mul_add(sin[i], x1 * cos[i]);
                 }
             }
         }

@@ -166,7 +166,7 @@ fn quantize_row(
         }
         _ => {
             for (b, (xb, ob)) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)).enumerate() {
-                let done = match isa {
+                let done: Option<(f32, f32, i32)> = match isa {
                     // SAFETY: the family was detected.
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(ty, xb, ob) },
@@ -174,10 +174,7 @@ fn quantize_row(
                 };
                 let (db, sb, ib) = match done {
                     Some(meta) => meta,
-                    None => {
-                        let _ = quant::quantize(ty, xb, ob);
-                        block_meta(ty, ob)
-                    }
+                    None => quantize_block_scalar(ty, xb, ob),
                 };
                 d[b] = db;
                 if !s.is_empty() {
@@ -187,6 +184,37 @@ fn quantize_row(
             }
         }
     }
+}
+
+/// One activation block encoded as ggml's CPU backend encodes activations on x86
+/// (`quantize_row_q8_0` / `quantize_row_q8_1` in ggml-cpu, which differ from the reference
+/// quantizers): `d = amax / 127`, inverse scale `127 / amax` (not `1 / d`), rounding half to
+/// even, and for Q8_1 `s = f16(d * Σq)` with the unrounded `d`. Q8_K uses the reference
+/// quantizer, as ggml-cpu does. Returns the side data of [`block_meta`].
+pub(crate) fn quantize_block_scalar(ty: GgmlType, x: &[f32], out: &mut [u8]) -> (f32, f32, i32) {
+    use crate::quant::f32_to_f16;
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q8_1 => {
+            let amax = x.iter().fold(0f32, |m, &v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let qo = if ty == GgmlType::Q8_1 { 4 } else { 2 };
+            let mut sum = 0i32;
+            for (o, &v) in out[qo..qo + 32].iter_mut().zip(x) {
+                let q = ((v * id).round_ties_even() as i32).clamp(-128, 127);
+                sum += q;
+                *o = q as i8 as u8;
+            }
+            out[..2].copy_from_slice(&f32_to_f16(d).to_le_bytes());
+            if ty == GgmlType::Q8_1 {
+                out[2..4].copy_from_slice(&f32_to_f16(d * sum as f32).to_le_bytes());
+            }
+        }
+        _ => {
+            let _ = quant::quantize(ty, x, out);
+        }
+    }
+    block_meta(ty, out)
 }
 
 /// The scale, Q8_1 `s`, and (Q8_0/Q8_1) quant sum of one encoded block.
@@ -210,7 +238,8 @@ fn block_meta(ty: GgmlType, b: &[u8]) -> (f32, f32, i32) {
 }
 
 /// Encodes `x` (whole blocks) as `ty` with the fastest available code; the bytes equal
-/// [`quant::quantize`]'s. Exposed for tests and benchmarks.
+/// [`quantize_block_scalar`]'s (ggml-cpu's activation encoding). Exposed for tests and
+/// benchmarks.
 pub fn quantize_simd(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
     let bs = ty.block_size();
     let ts = ty.type_size();
@@ -221,13 +250,14 @@ pub fn quantize_simd(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8]) -> Resul
         return quant::quantize(ty, x, out);
     }
     for (xb, ob) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)) {
-        let done = match isa {
+        let done: Option<(f32, f32, i32)> = match isa {
+            // SAFETY: the family was detected.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(ty, xb, ob) },
             _ => None,
         };
         if done.is_none() {
-            quant::quantize(ty, xb, ob)?;
+            quantize_block_scalar(ty, xb, ob);
         }
     }
     Ok(())
@@ -285,10 +315,7 @@ mod x86 {
             };
             let (db, sb, ib) = match done {
                 Some(meta) => meta,
-                None => {
-                    let _ = quant::quantize(ty, xb, ob);
-                    block_meta(ty, ob)
-                }
+                None => quantize_block_scalar(ty, xb, ob),
             };
             d[b] = db;
             if !s.is_empty() {
@@ -346,7 +373,8 @@ mod x86 {
         _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
     }
 
-    /// Q8_0 / Q8_1 (`quantize_8bit`: `d = amax / 127`, `q = round(x / d)` half away from zero).
+    /// Q8_0 / Q8_1 as ggml-cpu's AVX2 `quantize_row_q8_0/1`: `d = amax / 127`,
+    /// `q = round_half_even(x * (127 / amax))`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q8_legacy(x: *const f32, out: *mut u8, q8_1: bool) -> Option<(f32, f32, i32)> {
@@ -366,23 +394,16 @@ mod x86 {
         }
         let amax = hmax(m);
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        if !id.is_finite() || (d != 0.0 && d < f32::MIN_POSITIVE) {
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        if !id.is_finite() {
             return None;
         }
         let vid = _mm256_set1_ps(id);
-        let half = _mm256_set1_ps(0.5);
-        let one = _mm256_set1_ps(1.0);
-        let signm = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
         let mut q = [_mm256_setzero_si256(); 4];
         for k in 0..4 {
             let p = _mm256_mul_ps(v[k], vid);
-            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(p);
-            let f = _mm256_and_ps(_mm256_sub_ps(p, t), absm);
-            let up = _mm256_cmp_ps::<_CMP_GE_OQ>(f, half);
-            let sgn1 = _mm256_or_ps(_mm256_and_ps(p, signm), one);
-            let r = _mm256_add_ps(t, _mm256_and_ps(up, sgn1));
-            q[k] = _mm256_cvttps_epi32(r);
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(p);
+            q[k] = _mm256_cvtps_epi32(r);
         }
         let bytes = pack32(q);
         let sum = hsum_i32(_mm256_add_epi32(

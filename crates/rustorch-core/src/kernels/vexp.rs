@@ -11,6 +11,9 @@
 //! is only used after a self-check against `f32::exp` on a spread of inputs has passed
 //! (`RUSTORCH_VEXP=0` disables it). Everything stays bit-identical either way.
 
+// The constants are read by the x86-64 code only.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 use std::sync::OnceLock;
 
 use super::cpu::Isa;

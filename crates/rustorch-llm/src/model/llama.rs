@@ -18,7 +18,7 @@
 use rustorch_core::kernels::attn::{attend_group, GroupQuery, HeadAttn};
 use rustorch_core::kernels::ops::rms_norm;
 use rustorch_core::kernels::{
-    isa, matmul, matmul_many, matmul_reference, matmul_swiglu, vexp, QActs,
+    isa, matmul, matmul_many, matmul_reference, matmul_swiglu, gexp, QActs,
 };
 
 use super::{Arch, ForwardOutput, HParams, LayerStat, Loader, ModelError, Runtime, Weight};
@@ -286,7 +286,7 @@ impl Llama {
                 mm(&layer.w_up, h, up, qa)?;
                 hook("ffn_gate", il, gate);
                 hook("ffn_up", il, up);
-                vexp::swiglu(isa(), gate, up);
+                gexp::swiglu(isa(), gate, up, hp.n_ff);
             }
             hook("ffn_swiglu", il, gate);
             mm(&layer.w_down, gate, proj, qa)?;
@@ -309,10 +309,12 @@ impl Llama {
             hout.extend_from_slice(&x[i * e..(i + 1) * e]);
             rms_norm(&mut hout[start..], &self.output_norm, hp.rms_eps);
         }
+        hook("result_norm", 0, hout);
         let mut logits = vec![0f32; rows.len() * hp.n_vocab];
         if !rows.is_empty() {
             mm(&self.output, hout, &mut logits, qa)?;
         }
+        hook("result_output", 0, &logits);
         Ok(ForwardOutput {
             logits,
             rows,

@@ -6,6 +6,7 @@
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+pub(crate) mod lanes;
 
 use std::arch::x86_64::*;
 

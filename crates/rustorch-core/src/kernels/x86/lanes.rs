@@ -1,0 +1,131 @@
+//! Legacy-format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) products with the float steps of
+//! ggml's x86 kernels, bit for bit (see `dot::dot_legacy`, the scalar reference): per
+//! (weight row, activation row) eight f32 accumulators, one fused multiply-add per 32-block
+//! of the block's eight 4-product lane sums with the scale `dw * da`, then `hsum_float_8`.
+//!
+//! A tile unpacks each weight block once and applies it to up to `T` activation rows.
+
+use std::arch::x86_64::*;
+
+use super::{rd_u16, unpack_legacy};
+use crate::kernels::fmt::*;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16(h: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// ggml's `hsum_float_8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsum_float_8(x: __m256) -> f32 {
+    let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// The block's values as bytes ready for `maddubs`: unsigned (Q4_1, Q5_1) or signed.
+#[inline(always)]
+unsafe fn values<const F: u8>(p: *const u8) -> __m256i {
+    let u = unpack_legacy::<F>(p);
+    if offset(F) != 0 {
+        _mm256_sub_epi8(u, _mm256_set1_epi8(offset(F) as i8))
+    } else {
+        u
+    }
+}
+
+/// Eight exact lane sums of four products each, as f32.
+#[inline(always)]
+unsafe fn lanes<const F: u8>(x: __m256i, y: __m256i) -> __m256 {
+    let p = if has_min(F) {
+        _mm256_maddubs_epi16(x, y)
+    } else {
+        _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
+    };
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+}
+
+/// `out[t * ostride + r] = dot(weight row r, activation row t)` for `nrows` rows starting at
+/// `w` (`rb` bytes apart, `nb` blocks each) and the activation rows `acts[..nt]`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn tile<const F: u8, const T: usize>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    acts: &[ActRow; T],
+    nt: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
+    let bs = block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let pairs = F == IQ4_NL;
+    let nb_main = if pairs { nb & !1 } else { nb };
+    for r in 0..nrows {
+        let row = w.add(r * rb);
+        let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        let mut summs = [0f32; T];
+        for b in 0..nb_main {
+            let p = row.add(b * bs);
+            let x = values::<F>(p);
+            let dw = f16(rd_u16(p));
+            let mw = if has_min(F) { f16(rd_u16(p.add(2))) } else { 0.0 };
+            let k = if pairs { b & 1 } else { 0 };
+            for t in 0..T {
+                if t >= nt {
+                    break;
+                }
+                let a = acts[t];
+                let y = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
+                let sc = _mm256_set1_ps(dw * *a.d.add(b));
+                acc[k][t] = _mm256_fmadd_ps(sc, lanes::<F>(x, y), acc[k][t]);
+                if has_min(F) {
+                    summs[t] = mw.mul_add(*a.s.add(b), summs[t]);
+                }
+            }
+        }
+        for t in 0..nt.min(T) {
+            let a = acts[t];
+            let mut s = if pairs {
+                hsum_float_8(_mm256_add_ps(acc[0][t], acc[1][t]))
+            } else {
+                hsum_float_8(acc[0][t])
+            };
+            for b in nb_main..nb {
+                // IQ4_NL's odd last block, summed separately as in ggml
+                let p = row.add(b * bs);
+                let x = values::<F>(p);
+                let y = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
+                let l = lanes::<F>(x, y);
+                let mut v = [0f32; 8];
+                _mm256_storeu_ps(v.as_mut_ptr(), l);
+                let si: f32 = v.iter().sum();
+                s = (*a.d.add(b) * f16(rd_u16(p))).mul_add(si, s);
+            }
+            *out.add(t * ostride + r) = s + summs[t];
+        }
+    }
+}
+
+/// [`tile`] for one activation row, with the GEMV signature.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemv<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
+    tile::<F, 1>(w, rb, nrows, nb, &[a], 1, out, 0);
+}
