@@ -1,13 +1,22 @@
-//! One query head attending over f16 key/value rows, the way llama.cpp's CPU flash
-//! attention does it: the query is rounded to f16, scores are f32 dot products with the f16
-//! keys, the softmax is online (running max `m`, running sum `s`), and the weighted sum of
-//! values is kept in an f16 accumulator that is rounded after every update and rescaled
-//! when a new maximum appears.
+//! One query head attending over f16 key/value rows with the arithmetic of llama.cpp's CPU
+//! flash attention (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`, f16 K/V cache, on
+//! an AVX-512 build with AVX512-FP16), bit for bit:
 //!
-//! The SIMD versions convert with F16C (`vcvtph2ps` / `vcvtps2ph`, round to nearest even),
-//! which gives the same bits as the software conversions for every finite value, and perform
-//! the same f32 multiplications and additions per element; only the key dot product's
-//! summation order differs from the scalar reference.
+//! * the query is rounded to f16;
+//! * each score is `ggml_vec_dot_f16`: four 16-lane f32 accumulators fed by fused
+//!   multiply-adds over blocks of 64 elements, reduced `(a0 + a2) + (a1 + a3)`, then lanes
+//!   `v[l] + v[l + 8]`, `v[l] + v[l + 4]`, `(u0 + u2) + (u1 + u3)`; leftover elements are
+//!   added in f64; the score is multiplied by the scale in f32;
+//! * the softmax is online: on a new maximum `M` the f16 accumulator is scaled by
+//!   `ms = expf(M_old - M)`, otherwise the value's weight is `vs = expf(s - M)`;
+//! * the accumulator update `acc += v · vs` and the scaling are native f16 operations on
+//!   blocks of 128 elements (one rounding of the exact result, `vs` rounded to f16 first) and
+//!   f32 fused multiply-adds rounded to f16 for the rest;
+//! * the running sum is `S = fma(S, ms, vs)`, and the output is `f32(acc) · (1 / S)`.
+//!
+//! llama.cpp switches to other algorithms for batches of 64 or more queries (tiled) and for
+//! single-token decoding over 512 or more cache cells (split over threads); those are not
+//! reproduced here, so results there agree to rounding rather than bit for bit.
 
 use super::cpu::Isa;
 use crate::quant::{f16_to_f32, f32_to_f16};
@@ -30,26 +39,6 @@ pub struct HeadAttn<'a> {
     pub scale: f32,
 }
 
-/// Writes the attention output of one head to `out` (`q.len()` values; zeros when no cell
-/// is visible).
-pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
-    let hd = h.q.len();
-    debug_assert_eq!(out.len(), hd);
-    #[cfg(target_arch = "x86_64")]
-    {
-        if isa == Isa::Avx512 && hd.is_multiple_of(16) && hd <= 256 {
-            // SAFETY: the family was detected; slices are bounds-checked per row inside.
-            return unsafe { x86::attend_avx512(h, out) };
-        }
-        if matches!(isa, Isa::Avx2 | Isa::Avx512) && hd.is_multiple_of(8) && hd <= 256 {
-            // SAFETY: as above.
-            return unsafe { x86::attend_avx2(h, out) };
-        }
-    }
-    let _ = isa;
-    attend_scalar(h, out)
-}
-
 /// One query of a group attending over the same key/value rows.
 pub struct GroupQuery<'a> {
     /// The query head (`hd` values, not yet rounded).
@@ -60,23 +49,44 @@ pub struct GroupQuery<'a> {
     pub out: &'a mut [f32],
 }
 
-/// Several queries (heads of one KV group, tokens of one sequence) over the same key/value
-/// rows; `h.q` and `h.max_pos` are ignored. Each output equals what [`attend_head`] computes
-/// for that query alone up to the key dot product's summation order, and does not depend on
-/// which other queries share the call.
-pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let hd = queries.first().map_or(0, |q| q.q.len());
-        if isa == Isa::Avx512 && hd.is_multiple_of(16) && hd > 0 && hd <= 256 {
-            let vexp = super::vexp::vexp_enabled(isa);
-            for chunk in queries.chunks_mut(x86::MAX_Q) {
-                // SAFETY: the family was detected; rows are bounds-checked inside.
-                unsafe { x86::attend_group_avx512(h, chunk, vexp) };
-            }
-            return;
+/// Writes the attention output of one head to `out` (`q.len()` values; zeros when no cell
+/// is visible).
+pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    debug_assert_eq!(out.len(), hd);
+    let q16: Vec<u16> = h.q.iter().map(|&x| f32_to_f16(x)).collect();
+    let mut acc = vec![0u16; hd];
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (c, &p) in h.pos.iter().enumerate() {
+        if p > h.max_pos {
+            continue;
         }
+        let base = c * h.stride + h.offset;
+        let s = dot_f16(isa, &h.k[base..base + hd], &q16) * h.scale;
+        let mut ms = 1.0f32;
+        let mut vs = 1.0f32;
+        if s > m {
+            let m_old = m;
+            m = s;
+            ms = (m_old - m).exp();
+            scale_f16(isa, &mut acc, ms);
+        } else {
+            vs = (s - m).exp();
+        }
+        mad_f16(isa, &mut acc, &h.v[base..base + hd], vs);
+        sum = sum.mul_add(ms, vs);
     }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for (o, &a) in out.iter_mut().zip(&acc) {
+        *o = f16_to_f32(a) * inv;
+    }
+}
+
+/// Several queries (heads of one KV group, tokens of one sequence) over the same key/value
+/// rows; `h.q` and `h.max_pos` are ignored. Each output equals [`attend_head`] for that
+/// query alone.
+pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
     for gq in queries.iter_mut() {
         let one = HeadAttn {
             q: gq.q,
@@ -87,540 +97,195 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
     }
 }
 
-/// The scalar reference.
-pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
-    let hd = h.q.len();
-    out.fill(0.0);
-    let mut qh = [0f32; 256];
-    let mut acc = [0u16; 256];
-    if hd > 256 {
-        return attend_scalar_large(h, out);
+/// `ggml_vec_dot_f16` of an AVX-512 build (see the module documentation).
+pub fn dot_f16(isa: Isa, x: &[u16], y: &[u16]) -> f32 {
+    let n = x.len().min(y.len());
+    let np = n & !63;
+    #[cfg(target_arch = "x86_64")]
+    let v: [f32; 16] = if isa == Isa::Avx512 {
+        // SAFETY: the family was detected; `np <= n`.
+        unsafe { x86::dot_blocks(x.as_ptr(), y.as_ptr(), np) }
+    } else {
+        dot_blocks_scalar(x, y, np)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let v = {
+        let _ = isa;
+        dot_blocks_scalar(x, y, np)
+    };
+    let w: [f32; 8] = std::array::from_fn(|l| v[l] + v[l + 8]);
+    let u: [f32; 4] = std::array::from_fn(|l| w[l] + w[l + 4]);
+    let mut sum = ((u[0] + u[2]) + (u[1] + u[3])) as f64;
+    for i in np..n {
+        sum += (f16_to_f32(x[i]) * f16_to_f32(y[i])) as f64;
     }
-    let (qh, acc) = (&mut qh[..hd], &mut acc[..hd]);
-    for (d, &x) in qh.iter_mut().zip(h.q) {
-        *d = f16_to_f32(f32_to_f16(x));
-    }
-    let mut m = f32::NEG_INFINITY;
-    let mut sum = 0f32;
-    for (c, &p) in h.pos.iter().enumerate() {
-        if p > h.max_pos {
-            continue;
-        }
-        let base = c * h.stride + h.offset;
-        let kr = &h.k[base..base + hd];
-        let mut s = 0f32;
-        for (a, b) in qh.iter().zip(kr) {
-            s += a * f16_to_f32(*b);
-        }
-        let s = s * h.scale;
-        let mut ms = 1.0f32;
-        let mut vs = 1.0f32;
-        if s > m {
-            ms = (m - s).exp();
-            m = s;
-            for a in acc.iter_mut() {
-                *a = f32_to_f16(f16_to_f32(*a) * ms);
+    sum as f32
+}
+
+/// The four accumulators of [`dot_f16`] over the first `np` (a multiple of 64) elements,
+/// already reduced to one 16-lane vector.
+fn dot_blocks_scalar(x: &[u16], y: &[u16], np: usize) -> [f32; 16] {
+    let mut acc = [[0f32; 16]; 4];
+    for i in (0..np).step_by(64) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, a) in lanes.iter_mut().enumerate() {
+                let k = i + 16 * j + l;
+                *a = f16_to_f32(x[k]).mul_add(f16_to_f32(y[k]), *a);
             }
-        } else {
-            vs = (s - m).exp();
         }
-        for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
-            *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
-        }
-        sum = sum * ms + vs;
     }
-    if sum == 0.0 {
+    std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]))
+}
+
+/// f64 → f16 with one correct rounding (round to odd into f32, then to nearest even).
+fn f64_to_f16(x: f64) -> u16 {
+    let mut f = x as f32;
+    if f.is_finite() && f as f64 != x {
+        if (f as f64).abs() > x.abs() {
+            f = f32::from_bits(f.to_bits() - 1);
+        }
+        f = f32::from_bits(f.to_bits() | 1);
+    }
+    f32_to_f16(f)
+}
+
+/// `ggml_vec_mad_f16`: `y += x · v`.
+pub fn mad_f16(isa: Isa, y: &mut [u16], x: &[u16], v: f32) {
+    let n = y.len().min(x.len());
+    let np = n & !127;
+    if np > 0 {
+        // native f16 fused multiply-add: one rounding of the exact value
+        let v16 = f16_to_f32(f32_to_f16(v)) as f64;
+        for (a, &b) in y[..np].iter_mut().zip(&x[..np]) {
+            *a = f64_to_f16((f16_to_f32(b) as f64).mul_add(v16, f16_to_f32(*a) as f64));
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: the family was detected.
+        unsafe { x86::mad_tail(&mut y[np..n], &x[np..n], v) };
         return;
     }
-    let inv = 1.0 / sum;
-    for (o, a) in out.iter_mut().zip(acc.iter()) {
-        *o = f16_to_f32(*a) * inv;
+    let _ = isa;
+    for (a, &b) in y[np..n].iter_mut().zip(&x[np..n]) {
+        *a = f32_to_f16(f16_to_f32(b).mul_add(v, f16_to_f32(*a)));
     }
 }
 
-fn attend_scalar_large(h: &HeadAttn<'_>, out: &mut [f32]) {
-    let hd = h.q.len();
-    let qh: Vec<f32> = h.q.iter().map(|&x| f16_to_f32(f32_to_f16(x))).collect();
-    let mut acc = vec![0u16; hd];
-    let mut m = f32::NEG_INFINITY;
-    let mut sum = 0f32;
-    for (c, &p) in h.pos.iter().enumerate() {
-        if p > h.max_pos {
-            continue;
+/// `ggml_vec_scale_f16`: `y *= v`.
+pub fn scale_f16(isa: Isa, y: &mut [u16], v: f32) {
+    let n = y.len();
+    let np = n & !127;
+    if np > 0 {
+        let v16 = f16_to_f32(f32_to_f16(v)) as f64;
+        for a in y[..np].iter_mut() {
+            *a = f64_to_f16(f16_to_f32(*a) as f64 * v16);
         }
-        let base = c * h.stride + h.offset;
-        let mut s = 0f32;
-        for (a, b) in qh.iter().zip(&h.k[base..base + hd]) {
-            s += a * f16_to_f32(*b);
-        }
-        let s = s * h.scale;
-        let (mut ms, mut vs) = (1.0f32, 1.0f32);
-        if s > m {
-            ms = (m - s).exp();
-            m = s;
-            for a in acc.iter_mut() {
-                *a = f32_to_f16(f16_to_f32(*a) * ms);
-            }
-        } else {
-            vs = (s - m).exp();
-        }
-        for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
-            *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
-        }
-        sum = sum * ms + vs;
     }
-    out.fill(0.0);
-    if sum == 0.0 {
-        return;
-    }
-    let inv = 1.0 / sum;
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = f16_to_f32(*a) * inv;
+    let _ = isa;
+    for a in y[np..].iter_mut() {
+        *a = f32_to_f16(f16_to_f32(*a) * v);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::HeadAttn;
     use std::arch::x86_64::*;
 
-    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_avx512(h: &HeadAttn<'_>, out: &mut [f32]) {
-        let hd = h.q.len();
-        let nv = hd / 16;
-        let zero = _mm512_setzero_ps();
-        // query rounded to f16; accumulator values are f16 numbers held as f32
-        let mut q = [zero; 16];
-        let mut acc = [zero; 16];
-        #[allow(clippy::needless_range_loop)] // indices address several arrays in step
-        for i in 0..nv {
-            let x = _mm512_loadu_ps(h.q.as_ptr().add(16 * i));
-            q[i] = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x));
+    /// # Safety
+    /// AVX-512F must be available; `x` and `y` hold `np` (a multiple of 64) values.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_blocks(x: *const u16, y: *const u16, np: usize) -> [f32; 16] {
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i < np {
+            for (j, a) in acc.iter_mut().enumerate() {
+                let ax = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(i + 16 * j) as *const __m256i));
+                let ay = _mm512_cvtph_ps(_mm256_loadu_si256(y.add(i + 16 * j) as *const __m256i));
+                *a = _mm512_fmadd_ps(ax, ay, *a);
+            }
+            i += 64;
         }
-        let mut m = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
-        for (c, &p) in h.pos.iter().enumerate() {
-            if p > h.max_pos {
-                continue;
-            }
-            let base = c * h.stride + h.offset;
-            assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
-            let mut s0 = zero;
-            let mut s1 = zero;
-            let mut i = 0;
-            while i + 1 < nv {
-                let k0 =
-                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
-                let k1 = _mm512_cvtph_ps(_mm256_loadu_si256(
-                    kp.add(base + 16 * i + 16) as *const __m256i
-                ));
-                s0 = _mm512_fmadd_ps(q[i], k0, s0);
-                s1 = _mm512_fmadd_ps(q[i + 1], k1, s1);
-                i += 2;
-            }
-            if i < nv {
-                let k0 =
-                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
-                s0 = _mm512_fmadd_ps(q[i], k0, s0);
-            }
-            let s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > m {
-                ms = (m - s).exp();
-                m = s;
-                let msv = _mm512_set1_ps(ms);
-                for a in acc.iter_mut().take(nv) {
-                    *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*a, msv)));
-                }
-            } else {
-                vs = (s - m).exp();
-            }
-            let vsv = _mm512_set1_ps(vs);
-            for (i, a) in acc.iter_mut().enumerate().take(nv) {
-                let v =
-                    _mm512_cvtph_ps(_mm256_loadu_si256(vp.add(base + 16 * i) as *const __m256i));
-                let t = _mm512_add_ps(*a, _mm512_mul_ps(v, vsv));
-                *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
-            }
-            sum = sum * ms + vs;
-        }
-        if sum == 0.0 {
-            out.fill(0.0);
-            return;
-        }
-        let inv = _mm512_set1_ps(1.0 / sum);
-        for (i, a) in acc.iter().enumerate().take(nv) {
-            _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, inv));
-        }
+        let r = _mm512_add_ps(
+            _mm512_add_ps(acc[0], acc[2]),
+            _mm512_add_ps(acc[1], acc[3]),
+        );
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), r);
+        out
     }
 
-    pub(super) const MAX_Q: usize = 16;
-    const CH: usize = 16;
+    /// `y = f16(fma(x, v, y))` element-wise, 16 at a time.
+    ///
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn mad_tail(y: &mut [u16], x: &[u16], v: f32) {
+        let n = y.len().min(x.len());
+        let vv = _mm512_set1_ps(v);
+        let mut i = 0;
+        while i + 16 <= n {
+            let py = y.as_mut_ptr().add(i) as *mut __m256i;
+            let ax = _mm512_cvtph_ps(_mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i));
+            let ay = _mm512_cvtph_ps(_mm256_loadu_si256(py));
+            let r = _mm512_fmadd_ps(ax, vv, ay);
+            _mm256_storeu_si256(py, _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+            i += 16;
+        }
+        for k in i..n {
+            let r = super::f16_to_f32(x[k]).mul_add(v, super::f16_to_f32(y[k]));
+            y[k] = super::f32_to_f16(r);
+        }
+    }
+}
 
-    /// Folds 16 vectors into one whose lane `i` is the sum of the lanes of `z[i]`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn transpose_sum16(z: &[__m512; 16]) -> __m512 {
-        let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let pair = |a: __m512, b: __m512| {
-            _mm512_add_ps(
-                _mm512_permutex2var_ps(a, e, b),
-                _mm512_permutex2var_ps(a, o, b),
-            )
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f64_to_f16_rounds_once() {
+        // halfway between 1.0 and the next f16 (1 + 2^-10), plus a tiny bit: rounds up
+        let x = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        assert_eq!(f64_to_f16(x), f32_to_f16(1.0 + 2f32.powi(-10)));
+        // exactly halfway: ties to even (down)
+        assert_eq!(f64_to_f16(1.0 + 2f64.powi(-11)), f32_to_f16(1.0));
+        assert_eq!(f64_to_f16(-3.5), f32_to_f16(-3.5));
+    }
+
+    #[test]
+    fn simd_and_scalar_agree() {
+        let isas = Isa::available();
+        let mut s = 0x1234_5678_9abc_def0u64;
+        let mut rnd = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
         };
-        let y: [__m512; 8] = std::array::from_fn(|i| pair(z[2 * i], z[2 * i + 1]));
-        let x: [__m512; 4] = std::array::from_fn(|i| pair(y[2 * i], y[2 * i + 1]));
-        let w0 = pair(x[0], x[1]);
-        let w1 = pair(x[2], x[3]);
-        pair(w0, w1)
-    }
-
-    /// What the value update of one 16-cell chunk needs.
-    struct VState<'a> {
-        masks: &'a [u32; MAX_Q],
-        resc: &'a [u32; MAX_Q],
-        ex: &'a [[f32; 16]; MAX_Q],
-        vp: *const f32,
-        accp: *mut f32,
-        hd: usize,
-        nc: usize,
-    }
-
-    /// The value update for queries `j0..j0 + P` (head size `16 * NV`), accumulators in
-    /// registers.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn vupdate<const NV: usize, const P: usize>(
-        st: &VState<'_>,
-        j0: usize,
-        sum: &mut [f32; MAX_Q],
-    ) {
-        let mut a = [[_mm512_setzero_ps(); NV]; P];
-        for (jj, aj) in a.iter_mut().enumerate() {
-            for (i, ai) in aj.iter_mut().enumerate() {
-                *ai = _mm512_loadu_ps(st.accp.add((j0 + jj) * st.hd + 16 * i));
-            }
-        }
-        for c in 0..st.nc {
-            for (jj, aj) in a.iter_mut().enumerate() {
-                let j = j0 + jj;
-                if st.masks[j] & (1 << c) == 0 {
-                    continue;
-                }
-                let e = st.ex[j][c];
-                let (ms, vs) = if st.resc[j] & (1 << c) != 0 {
-                    let msv = _mm512_set1_ps(e);
-                    for ai in aj.iter_mut() {
-                        *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
-                    }
-                    (e, 1.0f32)
-                } else {
-                    (1.0f32, e)
-                };
-                let vsv = _mm512_set1_ps(vs);
-                for (i, ai) in aj.iter_mut().enumerate() {
-                    let t = _mm512_add_ps(
-                        *ai,
-                        _mm512_mul_ps(_mm512_loadu_ps(st.vp.add(c * st.hd + 16 * i)), vsv),
-                    );
-                    *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
-                }
-                sum[j] = sum[j] * ms + vs;
-            }
-        }
-        for (jj, aj) in a.iter().enumerate() {
-            for (i, ai) in aj.iter().enumerate() {
-                _mm512_storeu_ps(st.accp.add((j0 + jj) * st.hd + 16 * i), *ai);
-            }
-        }
-    }
-
-    /// [`vupdate`] for one query of any head size (multiple of 16).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn vupdate_any(st: &VState<'_>, j: usize, nv: usize, sum: &mut [f32; MAX_Q]) {
-        let ap = st.accp.add(j * st.hd);
-        for c in 0..st.nc {
-            if st.masks[j] & (1 << c) == 0 {
-                continue;
-            }
-            let e = st.ex[j][c];
-            let rescale = st.resc[j] & (1 << c) != 0;
-            let (ms, vs) = if rescale { (e, 1.0f32) } else { (1.0f32, e) };
-            for i in 0..nv {
-                let mut a = _mm512_loadu_ps(ap.add(16 * i));
-                if rescale {
-                    a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(
-                        a,
-                        _mm512_set1_ps(ms),
-                    )));
-                }
-                let t = _mm512_add_ps(
-                    a,
-                    _mm512_mul_ps(
-                        _mm512_loadu_ps(st.vp.add(c * st.hd + 16 * i)),
-                        _mm512_set1_ps(vs),
-                    ),
-                );
-                _mm512_storeu_ps(ap.add(16 * i), _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t)));
-            }
-            sum[j] = sum[j] * ms + vs;
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_group_avx512(
-        h: &HeadAttn<'_>,
-        qs: &mut [super::GroupQuery<'_>],
-        vexp: bool,
-    ) {
-        let nq = qs.len();
-        let hd = qs[0].q.len();
-        let nv = hd / 16;
-        let zero = _mm512_setzero_ps();
-        use std::mem::MaybeUninit;
-        // Scratch rows of `hd` floats (only written parts are ever read).
-        let mut qbuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
-        let mut abuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
-        let mut kbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
-        let mut vbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
-        let (qp, accp) = (qbuf.as_mut_ptr() as *mut f32, abuf.as_mut_ptr() as *mut f32);
-        let (kp, vp) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
-        let vp_const = vp as *const f32;
-        let mut m = [f32::NEG_INFINITY; MAX_Q];
-        let mut sum = [0f32; MAX_Q];
-        for (j, gq) in qs.iter().enumerate() {
-            assert_eq!(gq.q.len(), hd);
-            for i in 0..nv {
-                let x = _mm512_loadu_ps(gq.q.as_ptr().add(16 * i));
-                _mm512_storeu_ps(
-                    qp.add(j * hd + 16 * i),
-                    _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x)),
-                );
-                _mm512_storeu_ps(accp.add(j * hd + 16 * i), zero);
-            }
-        }
-        let ncell = h.pos.len();
-        let mut c0 = 0;
-        while c0 < ncell {
-            let nc = (ncell - c0).min(CH);
-            let mut masks = [0u32; MAX_Q];
-            let mut any = 0u32;
-            let valid: u32 = if nc == 16 { 0xffff } else { (1u32 << nc) - 1 };
-            let pv = _mm512_maskz_loadu_epi32(valid as u16, h.pos.as_ptr().add(c0) as *const i32);
-            for (j, gq) in qs.iter().enumerate() {
-                let mk = _mm512_mask_cmple_epu32_mask(
-                    valid as u16,
-                    pv,
-                    _mm512_set1_epi32(gq.max_pos as i32),
-                ) as u32;
-                masks[j] = mk;
-                any |= mk;
-            }
-            if any == 0 {
-                c0 += nc;
-                continue;
-            }
-            for c in 0..nc {
-                if any & (1 << c) == 0 {
-                    continue;
-                }
-                let base = (c0 + c) * h.stride + h.offset;
-                assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
-                for i in 0..nv {
-                    let k = _mm512_cvtph_ps(_mm256_loadu_si256(
-                        h.k.as_ptr().add(base + 16 * i) as *const __m256i
-                    ));
-                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(
-                        h.v.as_ptr().add(base + 16 * i) as *const __m256i
-                    ));
-                    _mm512_storeu_ps(kp.add(c * hd + 16 * i), k);
-                    _mm512_storeu_ps(vp.add(c * hd + 16 * i), v);
-                }
-            }
-            // phase 1, per query: the 16 scores, the online-max scan (exponent arguments in
-            // cell order) and one vector exp
-            let mut ex = [[0f32; 16]; MAX_Q];
-            let mut resc = [0u32; MAX_Q];
-            for j in 0..nq {
-                let mk = masks[j];
-                if mk == 0 {
-                    continue;
-                }
-                let mut z = [zero; 16];
-                for (c, zc) in z.iter_mut().enumerate().take(nc) {
-                    if mk & (1 << c) == 0 {
-                        continue;
-                    }
-                    let mut a = zero;
-                    for i in 0..nv {
-                        a = _mm512_fmadd_ps(
-                            _mm512_loadu_ps(qp.add(j * hd + 16 * i)),
-                            _mm512_loadu_ps(kp.add(c * hd + 16 * i)),
-                            a,
-                        );
-                    }
-                    *zc = a;
-                }
-                let sv = _mm512_mul_ps(transpose_sum16(&z), _mm512_set1_ps(h.scale));
-                let mut sc = [0f32; 16];
-                _mm512_storeu_ps(sc.as_mut_ptr(), sv);
-                let mut arg = [0f32; 16];
-                let mut rj = 0u32;
-                let mut mj = m[j];
-                for c in 0..nc {
-                    if mk & (1 << c) == 0 {
-                        continue;
-                    }
-                    let s = sc[c];
-                    if s > mj {
-                        arg[c] = mj - s;
-                        rj |= 1 << c;
-                        mj = s;
-                    } else {
-                        arg[c] = s - mj;
-                    }
-                }
-                m[j] = mj;
-                resc[j] = rj;
-                if vexp {
-                    _mm512_storeu_ps(
-                        ex[j].as_mut_ptr(),
-                        super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())),
-                    );
-                } else {
-                    for c in 0..nc {
-                        if mk & (1 << c) != 0 {
-                            ex[j][c] = arg[c].exp();
-                        }
-                    }
-                }
-            }
-            // phase 2: weighted values into the f16 accumulators, several queries at a time
-            // so that their (latency-bound) update chains overlap
-            let st = VState {
-                masks: &masks,
-                resc: &resc,
-                ex: &ex,
-                vp: vp_const,
-                accp,
-                hd,
-                nc,
+        for hd in [64usize, 80, 128, 256] {
+            let n_cells = 37;
+            let k: Vec<u16> = (0..hd * n_cells).map(|_| f32_to_f16(rnd())).collect();
+            let v: Vec<u16> = (0..hd * n_cells).map(|_| f32_to_f16(rnd())).collect();
+            let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
+            let pos: Vec<u32> = (0..n_cells as u32).collect();
+            let h = HeadAttn {
+                q: &q,
+                k: &k,
+                v: &v,
+                stride: hd,
+                offset: 0,
+                pos: &pos,
+                max_pos: 30,
+                scale: 1.0 / (hd as f32).sqrt(),
             };
-            let mut j0 = 0;
-            while j0 < nq {
-                match nv {
-                    4 if j0 + 4 <= nq => vupdate::<4, 4>(&st, j0, &mut sum),
-                    8 if j0 + 2 <= nq => vupdate::<8, 2>(&st, j0, &mut sum),
-                    4 => vupdate::<4, 1>(&st, j0, &mut sum),
-                    8 => vupdate::<8, 1>(&st, j0, &mut sum),
-                    _ => vupdate_any(&st, j0, nv, &mut sum),
-                }
-                j0 += match nv {
-                    4 if j0 + 4 <= nq => 4,
-                    8 if j0 + 2 <= nq => 2,
-                    _ => 1,
-                };
+            let mut want = vec![0f32; hd];
+            attend_head(Isa::Scalar, &h, &mut want);
+            for &isa in &isas {
+                let mut got = vec![0f32; hd];
+                attend_head(isa, &h, &mut got);
+                assert_eq!(got, want, "{isa:?} hd {hd}");
             }
-            c0 += nc;
-        }
-        for (j, gq) in qs.iter_mut().enumerate() {
-            assert_eq!(gq.out.len(), hd);
-            if sum[j] == 0.0 {
-                gq.out.fill(0.0);
-                continue;
-            }
-            let inv = _mm512_set1_ps(1.0 / sum[j]);
-            for i in 0..nv {
-                let a = _mm512_loadu_ps(accp.add(j * hd + 16 * i));
-                _mm512_storeu_ps(gq.out.as_mut_ptr().add(16 * i), _mm512_mul_ps(a, inv));
-            }
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attend_avx2(h: &HeadAttn<'_>, out: &mut [f32]) {
-        let hd = h.q.len();
-        let nv = hd / 8;
-        let mut q = [0f32; 256];
-        let mut acc = [0f32; 256];
-        for i in 0..nv {
-            let x = _mm256_loadu_ps(h.q.as_ptr().add(8 * i));
-            _mm256_storeu_ps(
-                q.as_mut_ptr().add(8 * i),
-                _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(x)),
-            );
-        }
-        let mut m = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
-        let (qp, ap) = (q.as_ptr(), acc.as_mut_ptr());
-        for (c, &p) in h.pos.iter().enumerate() {
-            if p > h.max_pos {
-                continue;
-            }
-            let base = c * h.stride + h.offset;
-            assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
-            let mut s0 = _mm256_setzero_ps();
-            let mut s1 = _mm256_setzero_ps();
-            let mut i = 0;
-            while i + 1 < nv {
-                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
-                let k1 =
-                    _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i + 8) as *const __m128i));
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i + 8)), k1, s1);
-                i += 2;
-            }
-            if i < nv {
-                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
-            }
-            let s = hsum(_mm256_add_ps(s0, s1)) * h.scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > m {
-                ms = (m - s).exp();
-                m = s;
-                let msv = _mm256_set1_ps(ms);
-                for i in 0..nv {
-                    let a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), msv);
-                    _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(a)));
-                }
-            } else {
-                vs = (s - m).exp();
-            }
-            let vsv = _mm256_set1_ps(vs);
-            for i in 0..nv {
-                let v = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(base + 8 * i) as *const __m128i));
-                let t = _mm256_add_ps(_mm256_loadu_ps(ap.add(8 * i)), _mm256_mul_ps(v, vsv));
-                _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(t)));
-            }
-            sum = sum * ms + vs;
-        }
-        if sum == 0.0 {
-            out.fill(0.0);
-            return;
-        }
-        let inv = _mm256_set1_ps(1.0 / sum);
-        for i in 0..nv {
-            _mm256_storeu_ps(
-                out.as_mut_ptr().add(8 * i),
-                _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), inv),
-            );
         }
     }
 }
