@@ -26,12 +26,20 @@ def main():
             if name.startswith(a + "-"):
                 key = a.split("_")[0] + name[len(a):] + suffix
         ours[key] = (name, f)
+    seen = set()
     for key in ref.keys():  # graph order
-        if key not in ours:
+        if key not in ours or key in seen:
             continue
+        seen.add(key)
         name, f = ours[key]
-        r = ref[key].reshape(-1)
         o = np.fromfile(os.path.join(d, f), dtype="<f4")
+        # the same name may be used several times in llama.cpp's graph (before and after a
+        # bias, a reshape, RoPE): compare with the closest of them
+        base = key.split("#")[0]
+        variants = [k for k in ref.keys() if k == base or k.startswith(base + "#")]
+        variants = [k for k in variants if ref[k].size == o.size] or [key]
+        key = min(variants, key=lambda k: int(np.count_nonzero(ref[k].reshape(-1) != o)))
+        r = ref[key].reshape(-1)
         if r.size != o.size:
             print(f"{name:20s} size {o.size} vs {r.size}")
             continue

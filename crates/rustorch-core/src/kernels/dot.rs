@@ -268,40 +268,49 @@ fn dot_q5_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     sum
 }
 
+/// Q6_K × Q8_K with the float steps of ggml's x86 `ggml_vec_dot_q6_K_q8_K`: per
+/// super-block, eight exact lane sums (lane `l`: elements `4l..4l + 4` of every 32-value
+/// group times its 16-value scale, minus `32 · (bsum[2l]·sc[2l] + bsum[2l+1]·sc[2l+1])`),
+/// converted to f32 and fused-multiply-added with `d = da · dw`; then [`hsum8`].
 fn dot_q6_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
+    let mut acc = [0f32; 8];
     for b in 0..nb {
         let x = &w[b * 210..b * 210 + 210];
         let y = &a[b * Q8K_SIZE..(b + 1) * Q8K_SIZE];
+        let lanes = q6k_lanes(x, y);
         let d = rd_f32(y, 0) * rd_f16(x, 208);
-        let ql = &x[0..128];
-        let qh = &x[128..192];
-        let sc = &x[192..208];
-        let q8 = &y[4..260];
-        let mut sumi = 0i32;
-        for half in 0..2 {
-            let ql = &ql[64 * half..64 * half + 64];
-            let qh = &qh[32 * half..32 * half + 32];
-            let sc = &sc[8 * half..8 * half + 8];
-            let q8 = &q8[128 * half..128 * half + 128];
-            // four groups of 32 values, each made of two 16-value scale groups
-            let mut acc = [0i32; 8];
-            for l in 0..32 {
-                let is = l / 16;
-                let v1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
-                let v2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                let v3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                let v4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                acc[is] += v1 * q8[l] as i8 as i32;
-                acc[is + 2] += v2 * q8[l + 32] as i8 as i32;
-                acc[is + 4] += v3 * q8[l + 64] as i8 as i32;
-                acc[is + 6] += v4 * q8[l + 96] as i8 as i32;
-            }
-            for (g, s) in acc.iter().enumerate() {
-                sumi += sc[g] as i8 as i32 * s;
+        for (a, &l) in acc.iter_mut().zip(&lanes) {
+            *a = d.mul_add(l as f32, *a);
+        }
+    }
+    hsum8(&acc)
+}
+
+/// The eight integer lane sums of one Q6_K × Q8_K super-block (see [`dot_q6_k`]).
+pub(crate) fn q6k_lanes(x: &[u8], y: &[u8]) -> [i32; 8] {
+    let (ql, qh, sc) = (&x[0..128], &x[128..192], &x[192..208]);
+    let q8 = &y[4..260];
+    let mut lanes = [0i32; 8];
+    for j in 0..2 {
+        for k in 0..4 {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                let scale = sc[8 * j + 2 * k + usize::from(l >= 4)] as i8 as i32;
+                let mut s = 0i32;
+                for e in 4 * l..4 * l + 4 {
+                    let h = qh[32 * j + e] >> (2 * k) & 3;
+                    let lo = ql[64 * j + 32 * (k & 1) + e];
+                    let lo = if k < 2 { lo & 0x0f } else { lo >> 4 };
+                    let q = (lo | h << 4) as i32;
+                    s += q * q8[128 * j + 32 * k + e] as i8 as i32;
+                }
+                *lane += scale * s;
             }
         }
-        sum += d * sumi as f32;
     }
-    sum
+    for (l, lane) in lanes.iter_mut().enumerate() {
+        let c = q8k_bsum(y, 2 * l) * sc[2 * l] as i8 as i32
+            + q8k_bsum(y, 2 * l + 1) * sc[2 * l + 1] as i8 as i32;
+        *lane -= c << 5;
+    }
+    lanes
 }

@@ -292,9 +292,9 @@ fn matmul_fused(
     {
         let kern = |f: u8| -> GemvFn {
             if isa == Isa::Avx512 {
-                with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
+                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else { x86::lanes::gemv::<F> })
             } else {
-                with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
+                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
             }
         };
         struct Job {
@@ -485,9 +485,9 @@ type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
 #[cfg(target_arch = "x86_64")]
 fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
     let kern: GemvFn = if isa == Isa::Avx512 {
-        with_fmt!(f, F => if fmt::is_k(F) { x86::avx512::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
+        with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else { x86::lanes::gemv::<F> })
     } else {
-        with_fmt!(f, F => if fmt::is_k(F) { x86::avx2::gemv_k::<F> as GemvFn } else { x86::lanes::gemv::<F> })
+        with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
     };
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
@@ -536,11 +536,15 @@ type Gemm2Fn = unsafe fn(*const u8, usize, usize, fmt::Tile, usize);
 #[cfg(target_arch = "x86_64")]
 type TileFn = unsafe fn(*const u8, usize, usize, usize, &[ActRow; 4], usize, *mut f32, usize);
 
-/// Legacy formats: tiles of 4 activation rows against groups of weight rows, with ggml's
-/// per-element float steps (`x86::lanes`).
+/// Legacy formats and Q6_K: tiles of 4 activation rows against groups of weight rows, with
+/// ggml's per-element float steps (`x86::lanes`).
 #[cfg(target_arch = "x86_64")]
 fn x86_gemm_lanes(pool: &ThreadPool, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
-    let kern: TileFn = with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn);
+    let kern: TileFn = if f == fmt::Q6_K {
+        x86::lanes::tile_q6k::<4>
+    } else {
+        with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn)
+    };
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
@@ -579,7 +583,7 @@ fn x86_gemm_lanes(pool: &ThreadPool, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &m
 
 #[cfg(target_arch = "x86_64")]
 fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
-    if !fmt::is_k(f) {
+    if !fmt::is_k(f) || f == fmt::Q6_K {
         x86_gemm_lanes(pool, f, w, qa, out);
         return;
     }

@@ -129,3 +129,96 @@ pub(crate) unsafe fn gemv<const F: u8>(
 ) {
     tile::<F, 1>(w, rb, nrows, nb, &[a], 1, out, 0);
 }
+
+/// Q6_K rows against up to `T` Q8_K activation rows with the float steps of ggml's AVX2
+/// `ggml_vec_dot_q6_K_q8_K` (see `dot::dot_q6_k`): each super-block's values are unpacked
+/// once and reused for every activation row.
+///
+/// # Safety
+/// As [`tile`]; `F` must be Q6_K.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn tile_q6k<const T: usize>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    acts: &[ActRow; T],
+    nt: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
+    let m15 = _mm256_set1_epi8(15);
+    let m3 = _mm256_set1_epi8(3);
+    for r in 0..nrows {
+        let row = w.add(r * rb);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let x = row.add(b * 210);
+            let dw = f16(rd_u16(x.add(208)));
+            // unpacked 6-bit values (unsigned) of the 8 groups of 32, and their scales as
+            // 16-bit pairs (first 8 lanes' scale, last 8 lanes' scale)
+            let mut q = [_mm256_setzero_si256(); 8];
+            let mut sc = [_mm256_setzero_si256(); 8];
+            for j in 0..2 {
+                let b1 = _mm256_loadu_si256(x.add(64 * j) as *const __m256i);
+                let b2 = _mm256_loadu_si256(x.add(64 * j + 32) as *const __m256i);
+                let h = _mm256_loadu_si256(x.add(128 + 32 * j) as *const __m256i);
+                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
+                let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
+                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
+                q[4 * j] = _mm256_or_si256(_mm256_and_si256(b1, m15), h0);
+                q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), h1);
+                q[4 * j + 2] =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b1), m15), h2);
+                q[4 * j + 3] =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b2), m15), h3);
+                for k in 0..4 {
+                    let s0 = *x.add(192 + 8 * j + 2 * k) as i8 as i16;
+                    let s1 = *x.add(192 + 8 * j + 2 * k + 1) as i8 as i16;
+                    sc[4 * j + k] = _mm256_setr_epi16(
+                        s0, s0, s0, s0, s0, s0, s0, s0, s1, s1, s1, s1, s1, s1, s1, s1,
+                    );
+                }
+            }
+            let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+            for t in 0..T {
+                if t >= nt {
+                    break;
+                }
+                let a = acts[t];
+                let y = a.q.add(b * 292);
+                let mut sumi = _mm256_setzero_si256();
+                for g in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(4 + 32 * g) as *const __m256i);
+                    let p = _mm256_madd_epi16(sc[g], _mm256_maddubs_epi16(q[g], yv));
+                    sumi = _mm256_add_epi32(sumi, p);
+                }
+                let bs = _mm256_loadu_si256(y.add(260) as *const __m256i);
+                let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs, scales16));
+                sumi = _mm256_sub_epi32(sumi, corr);
+                let d = std::ptr::read_unaligned(y as *const f32) * dw;
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
+        }
+        for t in 0..nt.min(T) {
+            *out.add(t * ostride + r) = hsum_float_8(acc[t]);
+        }
+    }
+}
+
+/// [`tile_q6k`] for one activation row, with the GEMV signature.
+///
+/// # Safety
+/// As [`tile_q6k`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemv_q6k(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
+    tile_q6k::<1>(w, rb, nrows, nb, &[a], 1, out, 0);
+}
