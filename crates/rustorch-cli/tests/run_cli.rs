@@ -147,11 +147,11 @@ fn chat_answers_paris() {
     }
 }
 
-/// Greedy chat answers equal llama.cpp's word for word.
-#[test]
-#[ignore = "needs bit-exact forward pass parity (docs/parity.md): answers drift after a few tokens on 3 of 6 cases"]
-fn chat_answers_equal_llama_cpp() {
+fn check_chat_answers(smollm2: bool) {
     for (c, _, answer) in chat_cases() {
+        if c["model"].as_str().is_some_and(|m| m.starts_with("SmolLM2")) != smollm2 {
+            continue;
+        }
         assert_eq!(
             answer,
             c["answer"].as_str().expect("answer"),
@@ -160,6 +160,20 @@ fn chat_answers_equal_llama_cpp() {
             c["system"]
         );
     }
+}
+
+/// Greedy chat answers equal llama.cpp's (`llama-completion -cnv -st --jinja`) word for word:
+/// SmolLM2, whose forward pass is bit-identical to llama.cpp's.
+#[test]
+fn chat_answers_equal_llama_cpp_smollm2() {
+    check_chat_answers(true);
+}
+
+/// The same for the Qwen models.
+#[test]
+#[ignore = "needs bit-exact Qwen forward passes: llama.cpp's tiled K-quant kernels for prompts of 8+ tokens are not reproduced yet (docs/parity.md)"]
+fn chat_answers_equal_llama_cpp_qwen() {
+    check_chat_answers(false);
 }
 
 #[test]

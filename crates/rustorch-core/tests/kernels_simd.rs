@@ -8,8 +8,8 @@
 //! * F16 / F32 dots: equal up to summation order.
 
 use rustorch_core::kernels::{
-    dot_float, matmul_q, matmul_with, quantize_simd, vec_dot, vec_dot_type, Isa, MatmulPath, QActs,
-    QMatrix, ThreadPool,
+    dot_float, matmul_q, matmul_with, quantize_scalar, quantize_simd, vec_dot, vec_dot_type, Isa,
+    MatmulPath, QActs, QMatrix, ThreadPool,
 };
 use rustorch_core::quant::{self, f32_to_f16};
 use rustorch_core::GgmlType;
@@ -98,7 +98,7 @@ fn activation_quantizers_match_reference_bytes() {
                 }
                 let bytes = n / ty.block_size() * ty.type_size();
                 let mut want = vec![0u8; bytes];
-                quant::quantize(ty, &x, &mut want).unwrap();
+                quantize_scalar(ty, &x, &mut want).unwrap();
                 let mut got = vec![0u8; bytes];
                 quantize_simd(isa, ty, &x, &mut got).unwrap();
                 assert_eq!(got, want, "{isa:?} {ty} round {round}");
@@ -193,7 +193,7 @@ fn check_type(ty: GgmlType, seed: u64) {
             let aty = vec_dot_type(ty);
             let mut want = vec![0f32; n_tok * n_rows];
             let mut ref_act = vec![0u8; n_tok * n_cols / aty.block_size() * aty.type_size()];
-            quant::quantize(aty, &x, &mut ref_act).unwrap();
+            quantize_scalar(aty, &x, &mut ref_act).unwrap();
             let arb = ref_act.len() / n_tok;
             for t in 0..n_tok {
                 for r in 0..n_rows {
@@ -413,7 +413,7 @@ fn vector_exp_exhaustive() {
 /// The fused entry points (Q/K/V in one job, gate/up/SwiGLU in one job) equal separate calls.
 #[test]
 fn fused_matmuls_equal_separate_calls() {
-    use rustorch_core::kernels::{matmul, matmul_many, matmul_swiglu, ops};
+    use rustorch_core::kernels::{gexp, isa, matmul, matmul_many, matmul_swiglu};
     let mut rng = Rng(123);
     for threads in [1, 2, 3] {
         let pool = ThreadPool::new(threads);
@@ -464,7 +464,7 @@ fn fused_matmuls_equal_separate_calls() {
                 assert_eq!(b, b2, "{tv} {n_tok}");
                 let mut u = vec![0f32; n_tok * 72];
                 matmul(&pool, &mu, &x, &mut u, &mut qa).unwrap();
-                ops::swiglu(&mut a, &u);
+                gexp::swiglu(isa(), &mut a, &u, 72);
                 let (mut g3, mut u3) = (vec![0f32; n_tok * 72], vec![0f32; n_tok * 72]);
                 matmul_swiglu(&pool, &mq, &mu, &x, &mut g3, &mut u3, &mut qas).unwrap();
                 assert_eq!(u, u3, "{tq} up {n_tok}");

@@ -204,25 +204,23 @@ fn run_model(key: &str, threads: usize) {
 }
 
 #[test]
-#[ignore = "acceptance of the forward-pass issue, not met yet: kernels are not bit-identical to ggml x86 (docs/parity.md); run with --ignored"]
 fn parity_smollm2() {
     run_model("smollm2", 2);
 }
 
 #[test]
-#[ignore = "acceptance of the forward-pass issue, not met yet: kernels are not bit-identical to ggml x86 (docs/parity.md); run with --ignored"]
 fn parity_smollm2_one_thread() {
     run_model("smollm2", 1);
 }
 
 #[test]
-#[ignore = "acceptance of the forward-pass issue, not met yet: kernels are not bit-identical to ggml x86 (docs/parity.md); run with --ignored"]
+#[ignore = "acceptance of the forward-pass issue, not met yet for Qwen: llama.cpp multiplies Q4_K through its repacked 8x8 kernels and K-quant prompt batches (8+ tokens) through its tiled kernels, whose float order is not reproduced yet (docs/parity.md); run with --ignored"]
 fn parity_qwen05() {
     run_model("qwen05", 2);
 }
 
 #[test]
-#[ignore = "acceptance of the forward-pass issue, not met yet: kernels are not bit-identical to ggml x86 (docs/parity.md); run with --ignored"]
+#[ignore = "acceptance of the forward-pass issue, not met yet for Qwen: llama.cpp multiplies Q4_K through its repacked 8x8 kernels and K-quant prompt batches (8+ tokens) through its tiled kernels, whose float order is not reproduced yet (docs/parity.md); run with --ignored"]
 fn parity_qwen15() {
     run_model("qwen15", 2);
 }
@@ -262,7 +260,9 @@ fn reference_path_agrees_with_fast_path() {
     }
 }
 
-fn check_batch_equals_sequential(model: &Model, tokens: &[u32]) {
+/// Largest |Δ logit| between the prompt run as one batch and fed one token at a time
+/// (explicit positions), after checking that every position's argmax agrees.
+fn batch_vs_sequential(model: &Model, tokens: &[u32]) -> f32 {
     let nv = model.hparams().n_vocab;
     let rt = Runtime::new(2);
     let mut c1 = model.new_cache(128);
@@ -270,29 +270,47 @@ fn check_batch_equals_sequential(model: &Model, tokens: &[u32]) {
         .forward(&Batch::from_prompt(tokens, 0, 0, true), &mut c1, &rt)
         .expect("batch");
     let mut c2 = model.new_cache(128);
+    let mut worst = 0f32;
     for (i, &t) in tokens.iter().enumerate() {
         let mut b = Batch::new();
         b.push(t, i as u32, 0, true);
         let one = model.forward(&b, &mut c2, &rt).expect("one token");
         let x = one.last(nv).expect("logits");
         let y = batched.logits_for(i, nv).expect("row");
-        assert_eq!(
-            x, y,
-            "position {i}: one-at-a-time logits differ from batched"
-        );
+        assert_eq!(argmax(x), argmax(y), "position {i}: argmax differs");
+        for (a, b) in x.iter().zip(y) {
+            worst = worst.max((a - b).abs());
+        }
     }
+    worst
 }
 
 /// The regression test for the seed bug (positions derived from cache lengths): a
 /// prompt evaluated as one batch equals the same prompt fed one token at a time with
-/// explicit positions, bit for bit.
+/// explicit positions.
+///
+/// Bit for bit wherever llama.cpp's own arithmetic does not depend on the batch size: every
+/// SmolLM2 prompt (Q4_1/Q8_0 products are computed per element in one order), and Qwen
+/// batches of fewer than 4 tokens. From 4 tokens on llama.cpp multiplies Q4_K weights with
+/// its gemm kernel (another activation rounding rule and float order than its single-token
+/// gemv), and from 8 tokens Q6_K with its tiled kernel; we reproduce that, so there the batch
+/// and the single-token logits differ by rounding, and the check is the same argmax at every
+/// position and a small difference (a position bug moves logits by whole units).
 #[test]
 fn batch_equals_one_token_at_a_time() {
-    for key in ["smollm2", "qwen05"] {
-        let (file, cases) = load_fixture(key);
-        if let Some(model) = load_model(&file) {
-            check_batch_equals_sequential(&model, &cases[2].tokens);
+    let (file, cases) = load_fixture("smollm2");
+    if let Some(model) = load_model(&file) {
+        for case in &cases[..4] {
+            assert_eq!(batch_vs_sequential(&model, &case.tokens), 0.0, "smollm2");
         }
+    }
+    let (file, cases) = load_fixture("qwen05");
+    if let Some(model) = load_model(&file) {
+        let toks = &cases[2].tokens;
+        assert_eq!(batch_vs_sequential(&model, &toks[..3]), 0.0, "qwen05, 3 tokens");
+        let d = batch_vs_sequential(&model, &cases[4].tokens);
+        eprintln!("qwen05, {} tokens: max |Δ logit| {d}", cases[4].tokens.len());
+        assert!(d < 0.5, "qwen05: batch and one-at-a-time differ by {d}");
     }
 }
 

@@ -206,10 +206,7 @@ mod x86 {
             }
             i += 64;
         }
-        let r = _mm512_add_ps(
-            _mm512_add_ps(acc[0], acc[2]),
-            _mm512_add_ps(acc[1], acc[3]),
-        );
+        let r = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
         let mut out = [0f32; 16];
         _mm512_storeu_ps(out.as_mut_ptr(), r);
         out

@@ -133,10 +133,14 @@ pub(crate) fn hsum8(v: &[f32; 8]) -> f32 {
 /// of `mw * sa` over the blocks. IQ4_NL alternates two accumulators over block pairs, as
 /// ggml's kernel does, and adds an odd last block separately.
 fn dot_legacy(ty: GgmlType, nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    let (wb, ab, aq) = (ty.type_size(), vec_dot_type(ty).type_size(), match ty {
-        GgmlType::Q4_1 | GgmlType::Q5_1 => 4,
-        _ => 2,
-    });
+    let (wb, ab, aq) = (
+        ty.type_size(),
+        vec_dot_type(ty).type_size(),
+        match ty {
+            GgmlType::Q4_1 | GgmlType::Q5_1 => 4,
+            _ => 2,
+        },
+    );
     let mut acc = [[0f32; 8]; 2];
     let mut summs = 0f32;
     let pairs = ty == GgmlType::IQ4_NL;

@@ -26,7 +26,10 @@ pub fn expf(x: f32) -> f32 {
     let n = z - SHIFT;
     let b = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
     let u = b * b;
-    let j = P0.mul_add(b, P1).mul_add(u, P2.mul_add(b, P3)).mul_add(u, P4.mul_add(b, 1.0));
+    let j = P0
+        .mul_add(b, P1)
+        .mul_add(u, P2.mul_add(b, P3))
+        .mul_add(u, P4.mul_add(b, 1.0));
     if n.abs() > 192.0 {
         return if n <= 0.0 { 0.0 } else { f32::INFINITY };
     }
@@ -132,7 +135,9 @@ mod tests {
     use super::*;
 
     fn inputs() -> Vec<f32> {
-        let mut xs = vec![0.0, -0.0, 1.0, -1.0, 88.7, -88.7, 103.9, -103.9, 150.0, -150.0];
+        let mut xs = vec![
+            0.0, -0.0, 1.0, -1.0, 88.7, -88.7, 103.9, -103.9, 150.0, -150.0,
+        ];
         xs.extend([f32::INFINITY, f32::NEG_INFINITY, 1e-30, -1e-30, 87.0, -87.0]);
         let mut s = 0x9e37_79b9_7f4a_7c15u64;
         for i in 0..200_000 {
@@ -140,7 +145,11 @@ mod tests {
             s ^= s >> 7;
             s ^= s << 17;
             let u = (s >> 40) as f32 / (1u64 << 24) as f32;
-            xs.push(if i % 2 == 0 { -120.0 + 240.0 * u } else { -8.0 + 16.0 * u });
+            xs.push(if i % 2 == 0 {
+                -120.0 + 240.0 * u
+            } else {
+                -8.0 + 16.0 * u
+            });
         }
         while xs.len() % 16 != 0 {
             xs.push(0.25);

@@ -18,10 +18,12 @@ mod cpu;
 mod dot;
 mod fdot;
 mod fmt;
+pub mod gexp;
 pub mod ops;
 mod pool;
+mod q4k_ggml;
+mod q6k_tiled;
 mod qact;
-pub mod gexp;
 pub mod vexp;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -30,7 +32,7 @@ pub use cpu::{isa, Isa};
 pub use dot::{has_kernel, vec_dot, vec_dot_type};
 pub use fdot::{dot_f32_slices, dot_float};
 pub use pool::{physical_cores, ThreadPool};
-pub use qact::{quantize_simd, QActs};
+pub use qact::{quantize_scalar, quantize_simd, QActs};
 
 use crate::quant;
 use crate::types::GgmlType;
@@ -174,6 +176,12 @@ pub fn matmul_with(
 ) -> Result<(), quant::QuantError> {
     let n_tok = x.len() / w.n_cols;
     debug_assert_eq!(out.len(), n_tok * w.n_rows);
+    if q4k_repacked(w) {
+        return matmul_q4k_ggml(pool, w, x, out);
+    }
+    if w.ty == GgmlType::Q6_K && n_tok >= 8 && cfg!(target_arch = "x86_64") {
+        return matmul_q6k_tiled(pool, w, x, out);
+    }
     if !has_kernel(w.ty) {
         return matmul_dequant(pool, w, x, out);
     }
@@ -255,7 +263,7 @@ fn matmul_fused(
         && n_tok < GEMM_MIN_TOKENS
         && ws
             .iter()
-            .all(|w| w.n_cols == n_cols && fmt::from_type(w.ty).is_some())
+            .all(|w| w.n_cols == n_cols && fmt::from_type(w.ty).is_some() && !q4k_repacked(w))
         && (!glu || ws[0].n_rows == ws[1].n_rows);
     if !simd_gemv {
         while qa.is_empty() {
@@ -446,6 +454,91 @@ fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out:
             }
         }
     });
+}
+
+/// Whether llama.cpp's CPU backend multiplies these weights through its repacked Q4_K
+/// kernels (x86 with AVX2, row count a multiple of 8), whose arithmetic `q4k_ggml` emulates.
+fn q4k_repacked(w: &QMatrix<'_>) -> bool {
+    w.ty == GgmlType::Q4_K && w.n_rows.is_multiple_of(8) && cfg!(target_arch = "x86_64")
+}
+
+/// Q4_K weights as llama.cpp multiplies them after repacking (see `q4k_ggml`): the first
+/// `n_tok - n_tok % 4` activation rows are quantized with the 4x8 rule and use the gemm
+/// float order, the rest are quantized with the reference Q8_K rule and use the gemv order.
+fn matmul_q4k_ggml(
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+) -> Result<(), quant::QuantError> {
+    let n_cols = w.n_cols;
+    let n_tok = x.len() / n_cols;
+    let n_gemm = n_tok - n_tok % 4;
+    let arb = n_cols / 256 * GgmlType::Q8_K.type_size();
+    let mut acts = vec![0u8; n_tok * arb];
+    for (t, (xr, ar)) in x.chunks_exact(n_cols).zip(acts.chunks_exact_mut(arb)).enumerate() {
+        if t < n_gemm {
+            q4k_ggml::quantize_row_q8k_4x8_ggml(xr, ar);
+        } else {
+            quant::quantize(GgmlType::Q8_K, xr, ar)?;
+        }
+    }
+    let n_rows = w.n_rows;
+    let dst = SendPtr(out.as_mut_ptr());
+    let (n_tasks, per) = split(pool, n_rows, 16);
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        for r in task * per..((task + 1) * per).min(n_rows) {
+            let wr = w.row(r);
+            for t in 0..n_tok {
+                let a = &acts[t * arb..(t + 1) * arb];
+                let v = if t < n_gemm {
+                    q4k_ggml::dot_q4k_gemm_ggml(wr, a)
+                } else {
+                    q4k_ggml::dot_q4k_gemv_ggml(wr, a)
+                };
+                // SAFETY: each (t, r) is written by exactly one task.
+                unsafe { *dst.0.add(t * n_rows + r) = v };
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Q6_K weights against 8 or more activation rows, as llama.cpp's tiled K-quant kernel
+/// computes them (see `q6k_tiled`).
+fn matmul_q6k_tiled(
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+) -> Result<(), quant::QuantError> {
+    let n_cols = w.n_cols;
+    let n_tok = x.len() / n_cols;
+    let arb = n_cols / 256 * GgmlType::Q8_K.type_size();
+    let mut acts = vec![0u8; n_tok * arb];
+    for (xr, ar) in x.chunks_exact(n_cols).zip(acts.chunks_exact_mut(arb)) {
+        quant::quantize(GgmlType::Q8_K, xr, ar)?;
+    }
+    let n_rows = w.n_rows;
+    let dst = SendPtr(out.as_mut_ptr());
+    let (n_tasks, per) = split(pool, n_rows, 16);
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        for r in task * per..((task + 1) * per).min(n_rows) {
+            let wr = w.row(r);
+            for t in 0..n_tok {
+                let v = q6k_tiled::dot_q6k_tiled_ggml(wr, &acts[t * arb..(t + 1) * arb]);
+                // SAFETY: each (t, r) is written by exactly one task.
+                unsafe { *dst.0.add(t * n_rows + r) = v };
+            }
+        }
+    });
+    Ok(())
 }
 
 /// Weights without an integer kernel: dequantize each row, f32 dot with f32 activations.

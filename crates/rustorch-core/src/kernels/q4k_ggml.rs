@@ -194,7 +194,11 @@ pub(crate) fn quantize_row_q8k_4x8_ggml(x: &[f32], out: &mut [u8]) {
         let o = &mut out[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
         let amax = xs.iter().fold(0f32, |m, &v| m.max(v.abs()));
         let (iscale, d) = if amax != 0.0 {
-            let iscale = if xs.iter().any(|&v| v == amax) { -127.0 / amax } else { 127.0 / amax };
+            let iscale = if xs.iter().any(|&v| v == amax) {
+                -127.0 / amax
+            } else {
+                127.0 / amax
+            };
             (iscale, 1.0 / iscale)
         } else {
             (0.0, 0.0)
@@ -205,7 +209,10 @@ pub(crate) fn quantize_row_q8k_4x8_ggml(x: &[f32], out: &mut [u8]) {
             o[4 + j] = q as i8 as u8;
         }
         for g in 0..16 {
-            let s: i32 = o[4 + 16 * g..4 + 16 * g + 16].iter().map(|&q| q as i8 as i32).sum();
+            let s: i32 = o[4 + 16 * g..4 + 16 * g + 16]
+                .iter()
+                .map(|&q| q as i8 as i32)
+                .sum();
             o[4 + QK_K + 2 * g..4 + QK_K + 2 * g + 2].copy_from_slice(&(s as i16).to_le_bytes());
         }
     }
@@ -263,7 +270,7 @@ mod tests {
         };
         let mut r = Reader(&data);
         let ncases = r.u32();
-        let mut total = [0usize; 4]; // quant rows, quant ok, outputs, outputs ok
+        let mut total = [0usize; 5]; // quant rows, quant ok, outputs, outputs ok, other-path mismatches
         for case in 0..ncases {
             let (k, n, m, m_gemm) = (r.u32(), r.u32(), r.u32(), r.u32());
             let nb = k / QK_K;
@@ -275,7 +282,8 @@ mod tests {
             // activation quantization
             let mut mine = vec![0u8; m * rb];
             for g in 0..m_gemm / 4 {
-                let xs: [&[f32]; 4] = std::array::from_fn(|i| &x[(4 * g + i) * k..(4 * g + i + 1) * k]);
+                let xs: [&[f32]; 4] =
+                    std::array::from_fn(|i| &x[(4 * g + i) * k..(4 * g + i + 1) * k]);
                 let (a, rest) = mine[4 * g * rb..].split_at_mut(rb);
                 let (b, rest) = rest.split_at_mut(rb);
                 let (c, rest) = rest.split_at_mut(rb);
@@ -303,8 +311,21 @@ mod tests {
                 let a = &q8[i * rb..(i + 1) * rb];
                 for j in 0..n {
                     let wr = &w[j * nb * Q4K_BYTES..(j + 1) * nb * Q4K_BYTES];
-                    let got = if i < m_gemm { dot_q4k_gemm_ggml(wr, a) } else { dot_q4k_gemv_ggml(wr, a) };
+                    let got = if i < m_gemm {
+                        dot_q4k_gemm_ggml(wr, a)
+                    } else {
+                        dot_q4k_gemv_ggml(wr, a)
+                    };
                     let e = want[i * n + j];
+                    // sensitivity: the other path's float order would give these bits
+                    let other = if i < m_gemm {
+                        dot_q4k_gemv_ggml(wr, a)
+                    } else {
+                        dot_q4k_gemm_ggml(wr, a)
+                    };
+                    if other.to_bits() != e.to_bits() {
+                        total[4] += 1;
+                    }
                     if got.to_bits() == e.to_bits() {
                         ook += 1;
                     } else if ook + 20 > i * n + j {
@@ -319,7 +340,10 @@ mod tests {
             total[3] += ook;
         }
         assert!(r.0.is_empty());
-        eprintln!("total: q8 rows {}/{}, outputs {}/{}", total[1], total[0], total[3], total[2]);
+        eprintln!(
+            "total: q8 rows {}/{}, outputs {}/{} (the other path's formula would miss {})",
+            total[1], total[0], total[3], total[2], total[4]
+        );
         assert_eq!(total[0], total[1]);
         assert_eq!(total[2], total[3]);
     }

@@ -237,6 +237,23 @@ fn block_meta(ty: GgmlType, b: &[u8]) -> (f32, f32, i32) {
     }
 }
 
+/// Encodes `x` (whole blocks of Q8_0, Q8_1 or Q8_K) as ggml's CPU backend encodes
+/// activations, one block at a time with the scalar code of [`quantize_block_scalar`] (the
+/// reference the SIMD encoders are tested against).
+pub fn quantize_scalar(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8_K)
+        || !x.len().is_multiple_of(bs)
+        || out.len() != x.len() / bs * ts
+    {
+        return quant::quantize(ty, x, out);
+    }
+    for (xb, ob) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)) {
+        quantize_block_scalar(ty, xb, ob);
+    }
+    Ok(())
+}
+
 /// Encodes `x` (whole blocks) as `ty` with the fastest available code; the bytes equal
 /// [`quantize_block_scalar`]'s (ggml-cpu's activation encoding). Exposed for tests and
 /// benchmarks.

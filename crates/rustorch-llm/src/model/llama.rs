@@ -18,7 +18,7 @@
 use rustorch_core::kernels::attn::{attend_group, GroupQuery, HeadAttn};
 use rustorch_core::kernels::ops::rms_norm;
 use rustorch_core::kernels::{
-    isa, matmul, matmul_many, matmul_reference, matmul_swiglu, gexp, QActs,
+    gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, QActs,
 };
 
 use super::{Arch, ForwardOutput, HParams, LayerStat, Loader, ModelError, Runtime, Weight};

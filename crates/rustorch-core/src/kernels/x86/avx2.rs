@@ -7,43 +7,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{rd_i32, rd_u16, rd_u32, unpack_legacy};
+use super::{rd_i32, rd_u16, rd_u32};
 use crate::kernels::fmt::*;
-
-/// Folds 8 vectors of 8 lane sums into one vector of 8 row sums.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn reduce8(v: &[__m256i; 8]) -> __m256i {
-    let t0 = _mm256_hadd_epi32(v[0], v[1]);
-    let t1 = _mm256_hadd_epi32(v[2], v[3]);
-    let t2 = _mm256_hadd_epi32(v[4], v[5]);
-    let t3 = _mm256_hadd_epi32(v[6], v[7]);
-    let u0 = _mm256_hadd_epi32(t0, t1);
-    let u1 = _mm256_hadd_epi32(t2, t3);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256::<0x20>(u0, u1),
-        _mm256_permute2x128_si256::<0x31>(u0, u1),
-    )
-}
-
-/// The 16-bit halves (`HI`: upper) of 8 dwords, as f16 converted to f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_to_f32<const HI: bool>(v: __m256i) -> __m256 {
-    let s = if HI {
-        _mm256_setr_epi8(
-            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15,
-            -1, -1, -1, -1, -1, -1, -1, -1,
-        )
-    } else {
-        _mm256_setr_epi8(
-            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1,
-            -1, -1, -1, -1, -1, -1, -1,
-        )
-    };
-    let x = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_shuffle_epi8(v, s));
-    _mm256_cvtph_ps(_mm256_castsi256_si128(x))
-}
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -58,81 +23,6 @@ unsafe fn hsum(v: __m256i) -> i32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16(h: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-}
-
-/// `u8 × i8` products of 32 byte pairs summed in fours (the `vpdpbusd` lane sums).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4<const SIGNED: bool>(w: __m256i, a: __m256i) -> __m256i {
-    let p = if SIGNED {
-        _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w))
-    } else {
-        _mm256_maddubs_epi16(w, a)
-    };
-    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
-}
-
-/// `out[r] = dot(row r, a)` for `nrows` (1..=8) rows of legacy format `F`.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn gemv_legacy<const F: u8>(
-    w: *const u8,
-    rb: usize,
-    nrows: usize,
-    nb: usize,
-    a: ActRow,
-    out: *mut f32,
-) {
-    let bs = block_bytes(F);
-    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
-    let mut rp = [w; 8];
-    let mut offs = [0i32; 8];
-    for r in 0..8 {
-        let rr = r.min(nrows - 1);
-        rp[r] = w.add(rr * rb);
-        offs[r] = (rr * rb) as i32;
-    }
-    let idx = _mm256_loadu_si256(offs.as_ptr() as *const __m256i);
-    let mut acc = _mm256_setzero_ps();
-    for b in 0..nb {
-        let av = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
-        let mut v = [_mm256_setzero_si256(); 8];
-        for r in 0..8 {
-            _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add(8 * rb + b * bs) as *const i8);
-            let u = unpack_legacy::<F>(rp[r].add(b * bs));
-            v[r] = if signed(F) {
-                dot4::<true>(u, av)
-            } else {
-                dot4::<false>(u, av)
-            };
-        }
-        let mut sumi = reduce8(&v);
-        if offset(F) != 0 {
-            sumi = _mm256_sub_epi32(sumi, _mm256_set1_epi32(offset(F) * *a.isum.add(b)));
-        }
-        let sf = _mm256_cvtepi32_ps(sumi);
-        let sc = _mm256_i32gather_epi32::<1>(w.add(b * bs) as *const i32, idx);
-        let dw = half_to_f32::<false>(sc);
-        let da = _mm256_set1_ps(*a.d.add(b));
-        let t = match kind(F) {
-            KIND_A => _mm256_mul_ps(_mm256_mul_ps(sf, dw), da),
-            KIND_B => _mm256_mul_ps(sf, _mm256_mul_ps(dw, da)),
-            _ => {
-                let mw = half_to_f32::<true>(sc);
-                let sa = _mm256_set1_ps(*a.s.add(b));
-                _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_mul_ps(dw, da), sf),
-                    _mm256_mul_ps(mw, sa),
-                )
-            }
-        };
-        acc = _mm256_add_ps(acc, t);
-    }
-    let mut tmp = [0f32; 8];
-    _mm256_storeu_ps(tmp.as_mut_ptr(), acc);
-    std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nrows);
 }
 
 /// Q4_K/Q5_K scales and mins as bytes `sc0..7, m0..7`.

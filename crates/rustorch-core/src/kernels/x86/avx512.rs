@@ -1,10 +1,8 @@
 //! AVX-512 (F/BW/VL + VNNI) kernels.
 //!
-//! * GEMV (one activation row against up to 8 weight rows): legacy 32-blocks are taken two
-//!   at a time per row in one zmm, multiplied with `vpdpbusd`, and the 8 rows' lane sums are
-//!   folded by a permute tree into one vector whose lanes are (block, row), so the float steps
-//!   run on 16 (row, block) terms at once, in the reference order. K-quants go row by row
+//! * GEMV for Q4_K/Q5_K (one activation row against up to 8 weight rows), row by row
 //!   (`vpmaddubsw` + `vpdpwssd` with the sub-block scales, one reduction per super-block).
+//!   Legacy formats and Q6_K use `x86::lanes` instead, which follows ggml's float order.
 //! * GEMM: 16-row panels packed by `x86::pack_panel` (one byte per value, `[quad][row][4]`)
 //!   against 8 activation rows at a time: every `vpdpbusd` is one 4-byte activation broadcast
 //!   times 16 rows, lanes are rows, so no horizontal sums at all.
@@ -14,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{iq4nl_table, rd_i32, rd_u16, rd_u32};
+use super::{rd_i32, rd_u16, rd_u32};
 use crate::kernels::fmt::*;
 
 /// How far ahead (in blocks) the GEMV prefetches each weight row.
@@ -25,177 +23,6 @@ const fn off512(f: u8) -> i32 {
     } else {
         offset(f)
     }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn quarters(p0: *const u8, p1: *const u8, p2: *const u8, p3: *const u8) -> __m512i {
-    let z = _mm512_castsi128_si512(_mm_loadu_si128(p0 as *const __m128i));
-    let z = _mm512_inserti32x4::<1>(z, _mm_loadu_si128(p1 as *const __m128i));
-    let z = _mm512_inserti32x4::<2>(z, _mm_loadu_si128(p2 as *const __m128i));
-    _mm512_inserti32x4::<3>(z, _mm_loadu_si128(p3 as *const __m128i))
-}
-
-/// Blocks `p0` and `p1` of a legacy format as 64 unsigned bytes in quarter order
-/// `[b0 0..16, b1 0..16, b0 16..32, b1 16..32]` (the order [`quarters`] gives activations).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn unpack2<const F: u8>(p0: *const u8, p1: *const u8) -> __m512i {
-    if F == Q8_0 {
-        return _mm512_xor_si512(
-            quarters(p0.add(2), p1.add(2), p0.add(18), p1.add(18)),
-            _mm512_set1_epi8(-128),
-        );
-    }
-    let q = qs_off(F);
-    let y = _mm256_inserti128_si256::<1>(
-        _mm256_castsi128_si256(_mm_loadu_si128(p0.add(q) as *const __m128i)),
-        _mm_loadu_si128(p1.add(q) as *const __m128i),
-    );
-    let z = _mm512_and_si512(
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y)),
-        _mm512_set1_epi8(0x0f),
-    );
-    match F {
-        IQ4_NL => {
-            let t = _mm_xor_si128(iq4nl_table(), _mm_set1_epi8(-128));
-            _mm512_shuffle_epi8(_mm512_broadcast_i32x4(t), z)
-        }
-        Q5_0 | Q5_1 => {
-            let h0 = rd_u32(p0.add(qh_off(F))) as u64;
-            let h1 = rd_u32(p1.add(qh_off(F))) as u64;
-            let m = (h0 & 0xffff) | ((h1 & 0xffff) << 16) | ((h0 >> 16) << 32) | ((h1 >> 16) << 48);
-            _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(0x10))
-        }
-        _ => z,
-    }
-}
-
-/// Folds 8 vectors of 16 lane sums (lane groups: lanes `0..4, 8..12` belong to the first
-/// block, `4..8, 12..16` to the second) into one vector with lane `g * 8 + r` = the sum of
-/// row `r`'s group `g`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn reduce8(z: &[__m512i; 8]) -> __m512i {
-    let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    let pair = |a: __m512i, b: __m512i| {
-        _mm512_add_epi32(
-            _mm512_permutex2var_epi32(a, e, b),
-            _mm512_permutex2var_epi32(a, o, b),
-        )
-    };
-    let y0 = pair(z[0], z[1]);
-    let y1 = pair(z[2], z[3]);
-    let y2 = pair(z[4], z[5]);
-    let y3 = pair(z[6], z[7]);
-    let x0 = pair(y0, y1);
-    let x1 = pair(y2, y3);
-    let a = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-    let b = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
-    _mm512_add_epi32(
-        _mm512_permutex2var_epi32(x0, a, x1),
-        _mm512_permutex2var_epi32(x0, b, x1),
-    )
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn two_ps(a: f32, b: f32) -> __m512 {
-    _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b))
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn hi256(v: __m512) -> __m256 {
-    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
-}
-
-/// `out[r] = dot(row r, a)` for `nrows` (1..=8) rows of legacy format `F` starting at `w`,
-/// `rb` bytes apart, each `nb` blocks long.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/VNNI must be available; pointers must cover the stated sizes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn gemv_legacy<const F: u8>(
-    w: *const u8,
-    rb: usize,
-    nrows: usize,
-    nb: usize,
-    a: ActRow,
-    out: *mut f32,
-) {
-    let bs = block_bytes(F);
-    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
-    let off = off512(F);
-    let mut rp = [w; 8];
-    let mut offs = [0i32; 16];
-    for r in 0..8 {
-        let rr = r.min(nrows - 1);
-        rp[r] = w.add(rr * rb);
-        offs[r] = (rr * rb) as i32;
-        offs[8 + r] = (rr * rb + bs) as i32;
-    }
-    let idx_pair = _mm512_loadu_si512(offs.as_ptr() as *const __m512i);
-    let idx_one = _mm512_mask_blend_epi32(
-        0xff00,
-        idx_pair,
-        _mm512_sub_epi32(idx_pair, _mm512_set1_epi32(bs as i32)),
-    );
-    let mut acc = _mm256_setzero_ps();
-    let mut b = 0;
-    while b < nb {
-        let pair = b + 1 < nb;
-        let b1 = if pair { b + 1 } else { b };
-        let pa0 = a.q.add(b * abs + aqo);
-        let pa1 = a.q.add(b1 * abs + aqo);
-        let av = quarters(pa0, pa1, pa0.add(16), pa1.add(16));
-        let zero = _mm512_setzero_si512();
-        let mut z = [zero; 8];
-        for r in 0..8 {
-            // the same place one row group further on: the next group arrives while this
-            // one is computed
-            _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add(8 * rb + b * bs) as *const i8);
-            let wz = unpack2::<F>(rp[r].add(b * bs), rp[r].add(b1 * bs));
-            z[r] = _mm512_dpbusd_epi32(zero, wz, av);
-        }
-        let mut sumi = reduce8(&z);
-        if off != 0 {
-            let c0 = off * *a.isum.add(b);
-            let c1 = off * *a.isum.add(b1);
-            sumi = _mm512_sub_epi32(
-                sumi,
-                _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(c0), _mm512_set1_epi32(c1)),
-            );
-        }
-        let sf = _mm512_cvtepi32_ps(sumi);
-        let sc = _mm512_i32gather_epi32::<1>(
-            if pair { idx_pair } else { idx_one },
-            w.add(b * bs) as *const i32,
-        );
-        let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sc));
-        let da = two_ps(*a.d.add(b), *a.d.add(b1));
-        let t = match kind(F) {
-            KIND_A => _mm512_mul_ps(_mm512_mul_ps(sf, dw), da),
-            KIND_B => _mm512_mul_ps(sf, _mm512_mul_ps(dw, da)),
-            _ => {
-                let mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(sc)));
-                let sa = two_ps(*a.s.add(b), *a.s.add(b1));
-                _mm512_add_ps(
-                    _mm512_mul_ps(_mm512_mul_ps(dw, da), sf),
-                    _mm512_mul_ps(mw, sa),
-                )
-            }
-        };
-        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
-        if pair {
-            acc = _mm256_add_ps(acc, hi256(t));
-        }
-        b += 2;
-    }
-    let mut tmp = [0f32; 8];
-    _mm256_storeu_ps(tmp.as_mut_ptr(), acc);
-    std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nrows);
 }
 
 /// The 8 scales and 8 mins of a Q4_K/Q5_K super-block, as 16 i16 (`sc0..7, m0..7`).

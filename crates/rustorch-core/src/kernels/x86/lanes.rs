@@ -76,7 +76,11 @@ pub(crate) unsafe fn tile<const F: u8, const T: usize>(
             let p = row.add(b * bs);
             let x = values::<F>(p);
             let dw = f16(rd_u16(p));
-            let mw = if has_min(F) { f16(rd_u16(p.add(2))) } else { 0.0 };
+            let mw = if has_min(F) {
+                f16(rd_u16(p.add(2)))
+            } else {
+                0.0
+            };
             let k = if pairs { b & 1 } else { 0 };
             for t in 0..T {
                 if t >= nt {
