@@ -476,7 +476,11 @@ fn matmul_q4k_ggml(
     let n_gemm = n_tok - n_tok % 4;
     let arb = n_cols / 256 * GgmlType::Q8_K.type_size();
     let mut acts = vec![0u8; n_tok * arb];
-    for (t, (xr, ar)) in x.chunks_exact(n_cols).zip(acts.chunks_exact_mut(arb)).enumerate() {
+    for (t, (xr, ar)) in x
+        .chunks_exact(n_cols)
+        .zip(acts.chunks_exact_mut(arb))
+        .enumerate()
+    {
         if t < n_gemm {
             q4k_ggml::quantize_row_q8k_4x8_ggml(xr, ar);
         } else {
