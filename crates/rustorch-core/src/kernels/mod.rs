@@ -300,7 +300,7 @@ fn matmul_fused(
     {
         let kern = |f: u8| -> GemvFn {
             if isa == Isa::Avx512 {
-                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else { x86::lanes::gemv::<F> })
+                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
             } else {
                 with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
             }
@@ -489,6 +489,61 @@ fn matmul_q4k_ggml(
     }
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx2 | Isa::Avx512) {
+        // Rows in groups of 8 over the pool; inside a task, blocks of 64 rows (L2-sized)
+        // against all tokens: tiles of 4 gemm rows, then the gemv rows one by one.
+        let rb = w.row_bytes();
+        let nb = n_cols / 256;
+        let (n_tasks, per) = split(pool, n_rows.div_ceil(8), 2);
+        pool.run(n_tasks, &|task| {
+            #[allow(clippy::redundant_locals)]
+            // capture the whole Send wrapper, not its raw-pointer field
+            let dst = dst;
+            let end = ((task + 1) * per * 8).min(n_rows);
+            let mut r0 = task * per * 8;
+            while r0 < end {
+                let nr = (end - r0).min(64);
+                let wp = w.data[r0 * rb..(r0 + nr) * rb].as_ptr();
+                for t0 in (0..n_gemm).step_by(4) {
+                    let a: [*const u8; 4] =
+                        std::array::from_fn(|i| acts[(t0 + i) * arb..].as_ptr());
+                    // SAFETY: AVX2+FMA+F16C checked by `isa()`; rows r0..r0+nr and tokens
+                    // t0..t0+4 are in bounds, each (t, r) is written by exactly one task.
+                    unsafe {
+                        q4k_ggml::x86::tile::<true, 4>(
+                            wp,
+                            rb,
+                            nr,
+                            nb,
+                            &a,
+                            4,
+                            dst.0.add(t0 * n_rows + r0),
+                            n_rows,
+                        )
+                    };
+                }
+                for t in n_gemm..n_tok {
+                    let a = [acts[t * arb..].as_ptr()];
+                    // SAFETY: as above.
+                    unsafe {
+                        q4k_ggml::x86::tile::<false, 1>(
+                            wp,
+                            rb,
+                            nr,
+                            nb,
+                            &a,
+                            1,
+                            dst.0.add(t * n_rows + r0),
+                            n_rows,
+                        )
+                    };
+                }
+                r0 += nr;
+            }
+        });
+        return Ok(());
+    }
     let (n_tasks, per) = split(pool, n_rows, 16);
     pool.run(n_tasks, &|task| {
         #[allow(clippy::redundant_locals)]
@@ -529,6 +584,48 @@ fn matmul_q6k_tiled(
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_rows, 16);
+    #[cfg(target_arch = "x86_64")]
+    if let isa @ (Isa::Avx2 | Isa::Avx512) = isa() {
+        let (rb, nb) = (w.row_bytes(), n_cols / 256);
+        pool.run(n_tasks, &|task| {
+            #[allow(clippy::redundant_locals)]
+            // capture the whole Send wrapper, not its raw-pointer field
+            let dst = dst;
+            let (r0, r1) = (task * per, ((task + 1) * per).min(n_rows));
+            // rows in chunks that stay in cache while every token tile passes over them
+            for c0 in (r0..r1).step_by(32) {
+                let nr = 32.min(r1 - c0);
+                let wp = w.row(c0).as_ptr();
+                let mut t0 = 0;
+                while t0 < n_tok {
+                    let nt = (n_tok - t0).min(8);
+                    let act = |i: usize| acts[(t0 + i.min(nt - 1)) * arb..].as_ptr();
+                    // SAFETY: the ISA was detected; rows c0..c0 + nr and tokens t0..t0 + nt
+                    // are in bounds, and each (t, r) is written by exactly one task.
+                    unsafe {
+                        let o = dst.0.add(t0 * n_rows + c0);
+                        if nt <= 4 {
+                            let a = [act(0), act(1), act(2), act(3)];
+                            if isa == Isa::Avx512 {
+                                q6k_tiled::x86::tile_avx512::<4>(wp, rb, nr, nb, &a, nt, o, n_rows);
+                            } else {
+                                q6k_tiled::x86::tile::<4>(wp, rb, nr, nb, &a, nt, o, n_rows);
+                            }
+                        } else {
+                            let a = std::array::from_fn::<_, 8, _>(act);
+                            if isa == Isa::Avx512 {
+                                q6k_tiled::x86::tile_avx512::<8>(wp, rb, nr, nb, &a, nt, o, n_rows);
+                            } else {
+                                q6k_tiled::x86::tile::<8>(wp, rb, nr, nb, &a, nt, o, n_rows);
+                            }
+                        }
+                    }
+                    t0 += nt;
+                }
+            }
+        });
+        return Ok(());
+    }
     pool.run(n_tasks, &|task| {
         #[allow(clippy::redundant_locals)]
         // capture the whole Send wrapper, not its raw-pointer field
@@ -582,7 +679,7 @@ type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
 #[cfg(target_arch = "x86_64")]
 fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
     let kern: GemvFn = if isa == Isa::Avx512 {
-        with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else { x86::lanes::gemv::<F> })
+        with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
     } else {
         with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
     };
@@ -747,6 +844,56 @@ fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
             }
         });
     });
+}
+
+/// What [`matmul`] computes, one output at a time with the scalar code: the same choice of
+/// llama.cpp arithmetic per weight format and batch size (activation encoding, product
+/// order), without SIMD or threads. The reference the fast kernels are tested against
+/// bit for bit (F16/F32 weights: up to summation order).
+pub fn matmul_scalar(w: &QMatrix<'_>, x: &[f32], out: &mut [f32]) -> Result<(), quant::QuantError> {
+    let n_cols = w.n_cols;
+    let n_tok = x.len() / n_cols;
+    let n_rows = w.n_rows;
+    let q4k = q4k_repacked(w);
+    let q6k_tiled = w.ty == GgmlType::Q6_K && n_tok >= 8 && cfg!(target_arch = "x86_64");
+    if !has_kernel(w.ty) && !q4k {
+        return matmul_dequant(&ThreadPool::new(1), w, x, out);
+    }
+    let aty = if q4k {
+        GgmlType::Q8_K
+    } else {
+        vec_dot_type(w.ty)
+    };
+    let arb = n_cols / aty.block_size() * aty.type_size();
+    let n_gemm = n_tok - n_tok % 4;
+    let mut acts = vec![0u8; n_tok * arb];
+    for (t, (xr, ar)) in x
+        .chunks_exact(n_cols)
+        .zip(acts.chunks_exact_mut(arb))
+        .enumerate()
+    {
+        if q4k && t < n_gemm {
+            q4k_ggml::quantize_row_q8k_4x8_ggml(xr, ar);
+        } else {
+            quantize_scalar(aty, xr, ar)?;
+        }
+    }
+    for t in 0..n_tok {
+        let a = &acts[t * arb..(t + 1) * arb];
+        for r in 0..n_rows {
+            let wr = w.row(r);
+            out[t * n_rows + r] = if q4k && t < n_gemm {
+                q4k_ggml::dot_q4k_gemm_ggml(wr, a)
+            } else if q4k {
+                q4k_ggml::dot_q4k_gemv_ggml(wr, a)
+            } else if q6k_tiled {
+                q6k_tiled::dot_q6k_tiled_ggml(wr, a)
+            } else {
+                vec_dot(w.ty, n_cols, wr, a)
+            };
+        }
+    }
+    Ok(())
 }
 
 /// The slow reference: dequantize every weight row to f32 and take plain f32 dot

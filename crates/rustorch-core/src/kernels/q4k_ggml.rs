@@ -194,7 +194,7 @@ pub(crate) fn quantize_row_q8k_4x8_ggml(x: &[f32], out: &mut [u8]) {
         let o = &mut out[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
         let amax = xs.iter().fold(0f32, |m, &v| m.max(v.abs()));
         let (iscale, d) = if amax != 0.0 {
-            let iscale = if xs.iter().any(|&v| v == amax) {
+            let iscale = if xs.contains(&amax) {
                 -127.0 / amax
             } else {
                 127.0 / amax
@@ -224,6 +224,287 @@ pub(crate) fn quantize_row_q8k_4x8_ggml(x: &[f32], out: &mut [u8]) {
 pub(crate) fn quantize_rows_q8k_4x8_ggml(x: [&[f32]; 4], out: [&mut [u8]; 4]) {
     for (xr, or) in x.into_iter().zip(out) {
         quantize_row_q8k_4x8_ggml(xr, or);
+    }
+}
+
+/// AVX2 (+FMA, F16C) versions of [`dot_q4k_gemv_ggml`] / [`dot_q4k_gemm_ggml`] over tiles of
+/// weight rows × activation rows, bit-identical to the scalar functions: the integer parts
+/// (exact, any order) come from `maddubs`/`madd`, the float steps are lane-wise the scalar
+/// ones (`f32(isum)`, `dw * d_a`, one fma per super-block or per sub-block pair, `acc - accm`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use super::{Q4K_BYTES, Q8K_BYTES, QK_K};
+    use core::arch::x86_64::*;
+
+    /// Unpacked Q4_K super-block: the 8 sub-blocks' 4-bit quants (32 bytes each), each
+    /// sub-block scale broadcast to 16 i16 lanes, and the mins duplicated per bsum pair.
+    struct Block {
+        q: [__m256i; 8],
+        sc: [__m256i; 8],
+        mdup: __m256i,
+    }
+
+    /// `[sc0..sc7, m0..m7]` (u8) of the block at `wb` (ggml's `get_scale_min_k4` for all 8).
+    #[inline(always)]
+    unsafe fn scales_mins(wb: *const u8) -> __m128i {
+        let p = wb.add(4);
+        let a0 = (p as *const u32).read_unaligned();
+        let a1 = (p.add(4) as *const u32).read_unaligned();
+        let a2 = (p.add(8) as *const u32).read_unaligned();
+        let sc_lo = a0 & 0x3f3f_3f3f;
+        let m_lo = a1 & 0x3f3f_3f3f;
+        let sc_hi = (a2 & 0x0f0f_0f0f) | (((a0 >> 6) & 0x0303_0303) << 4);
+        let m_hi = ((a2 >> 4) & 0x0f0f_0f0f) | (((a1 >> 6) & 0x0303_0303) << 4);
+        _mm_setr_epi32(sc_lo as i32, sc_hi as i32, m_lo as i32, m_hi as i32)
+    }
+
+    #[inline(always)]
+    unsafe fn unpack(wb: *const u8) -> Block {
+        let sm = _mm256_broadcastsi128_si256(scales_mins(wb));
+        let low = _mm256_set1_epi8(0x0f);
+        let qs = wb.add(16);
+        let mut q = [_mm256_setzero_si256(); 8];
+        for k in 0..4 {
+            let x = _mm256_loadu_si256(qs.add(32 * k) as *const __m256i);
+            q[2 * k] = _mm256_and_si256(x, low);
+            q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        }
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for (s, v) in sc.iter_mut().enumerate() {
+            // i16 lanes = sc[s]: bytes (s, zero) repeated
+            let m = _mm256_set1_epi16((s as i16) | (0x80u16 << 8) as i16);
+            *v = _mm256_shuffle_epi8(sm, m);
+        }
+        // i16 lanes [m0 m0 m1 m1 .. m3 m3 | m4 m4 .. m7 m7]
+        let mdup = _mm256_shuffle_epi8(
+            sm,
+            _mm256_setr_epi8(
+                8, -128, 8, -128, 9, -128, 9, -128, 10, -128, 10, -128, 11, -128, 11, -128, 12,
+                -128, 12, -128, 13, -128, 13, -128, 14, -128, 14, -128, 15, -128, 15, -128,
+            ),
+        );
+        Block { q, sc, mdup }
+    }
+
+    /// `sc[s] * (partial dot of sub-block s)` in 8 i32 lanes, for sub-block `s`.
+    #[inline(always)]
+    unsafe fn sub(blk: &Block, a: *const u8, s: usize) -> __m256i {
+        let qa = _mm256_loadu_si256(a.add(4 + 32 * s) as *const __m256i);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(blk.q[s], qa), blk.sc[s])
+    }
+
+    /// Lane s = `m[s] * B[s]`.
+    #[inline(always)]
+    unsafe fn mins(blk: &Block, a: *const u8) -> __m256i {
+        let bs = _mm256_loadu_si256(a.add(4 + QK_K) as *const __m256i);
+        _mm256_madd_epi16(bs, blk.mdup)
+    }
+
+    /// Lane j = sum of the 8 lanes of `v[j]`.
+    #[inline(always)]
+    unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
+        let a01 = _mm256_hadd_epi32(v[0], v[1]);
+        let a23 = _mm256_hadd_epi32(v[2], v[3]);
+        let a45 = _mm256_hadd_epi32(v[4], v[5]);
+        let a67 = _mm256_hadd_epi32(v[6], v[7]);
+        let b0 = _mm256_hadd_epi32(a01, a23);
+        let b1 = _mm256_hadd_epi32(a45, a67);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(b0, b1, 0x20),
+            _mm256_permute2x128_si256(b0, b1, 0x31),
+        )
+    }
+
+    #[inline(always)]
+    unsafe fn da(a: *const u8) -> f32 {
+        (a as *const f32).read_unaligned()
+    }
+
+    /// `out[t * ostride + r] = dot(row r, activation row t)` for `r < nrows`, `t < nt <= T`,
+    /// with [`super::dot_q4k_gemm_ggml`]'s float order if `GEMM`, else
+    /// [`super::dot_q4k_gemv_ggml`]'s. Weight row `r` is `nb` Q4_K blocks at `w + r * rb`,
+    /// activation row `t` is `nb` Q8_K blocks at `acts[t]` (entries `>= nt` are ignored).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; all pointers must be valid for the sizes
+    /// above and `out` for every written element.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn tile<const GEMM: bool, const T: usize>(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        acts: &[*const u8; T],
+        nt: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        debug_assert!(nt <= T);
+        if nt == 0 || nrows == 0 {
+            return;
+        }
+        if GEMM {
+            let mut t0 = 0;
+            while t0 < nt {
+                let n = (nt - t0).min(4);
+                let a: [*const u8; 4] = core::array::from_fn(|i| acts[t0 + i.min(n - 1)]);
+                gemm4(w, rb, nrows, nb, &a, n, out.add(t0 * ostride), ostride);
+                t0 += 4;
+            }
+        } else {
+            gemv::<T>(w, rb, nrows, nb, acts, nt, out, ostride);
+        }
+    }
+
+    /// Gemm order, one weight row at a time; lanes `[acc(t0..t3) | accm(t0..t3)]`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn gemm4(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        acts: &[*const u8; 4],
+        nt: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        for r in 0..nrows {
+            let wr = w.add(r * rb);
+            let mut acc = _mm256_setzero_ps();
+            for b in 0..nb {
+                let wb = wr.add(b * Q4K_BYTES);
+                let hdr = (wb as *const u32).read_unaligned();
+                // [dw dmw dw dmw ..] -> [dw x4 | dmw x4]
+                let dwm =
+                    _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_set1_epi32(hdr as i32)), dup);
+                let a: [*const u8; 4] = core::array::from_fn(|t| acts[t].add(b * Q8K_BYTES));
+                let d4 = _mm_setr_ps(da(a[0]), da(a[1]), da(a[2]), da(a[3]));
+                let ds = _mm256_mul_ps(dwm, _mm256_set_m128(d4, d4));
+                let blk = unpack(wb);
+                let mut rt = [_mm256_setzero_si256(); 4];
+                for (t, rv) in rt.iter_mut().enumerate() {
+                    let at = a[t];
+                    let v: [__m256i; 4] = core::array::from_fn(|p| {
+                        _mm256_add_epi32(sub(&blk, at, 2 * p), sub(&blk, at, 2 * p + 1))
+                    });
+                    // [P0 P1 P2 P3 | P0 P1 P2 P3] (low / high 128-bit partials)
+                    let x = _mm256_hadd_epi32(
+                        _mm256_hadd_epi32(v[0], v[1]),
+                        _mm256_hadd_epi32(v[2], v[3]),
+                    );
+                    // [m0 m2 m4 m6 | m1 m3 m5 m7]
+                    let y = _mm256_permutevar8x32_epi32(mins(&blk, at), perm);
+                    *rv = _mm256_add_epi32(
+                        _mm256_permute2x128_si256(x, y, 0x20),
+                        _mm256_permute2x128_si256(x, y, 0x31),
+                    ); // [P0..P3 | Q0..Q3]
+                }
+                let u0 = _mm256_unpacklo_epi32(rt[0], rt[1]);
+                let u1 = _mm256_unpackhi_epi32(rt[0], rt[1]);
+                let u2 = _mm256_unpacklo_epi32(rt[2], rt[3]);
+                let u3 = _mm256_unpackhi_epi32(rt[2], rt[3]);
+                let f = [
+                    _mm256_unpacklo_epi64(u0, u2),
+                    _mm256_unpackhi_epi64(u0, u2),
+                    _mm256_unpacklo_epi64(u1, u3),
+                    _mm256_unpackhi_epi64(u1, u3),
+                ]; // f[p] = [isum_p(t0..t3) | imin_p(t0..t3)]
+                for fp in f {
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fp), ds, acc);
+                }
+            }
+            let res = _mm_sub_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let mut o = [0f32; 4];
+            _mm_storeu_ps(o.as_mut_ptr(), res);
+            for (t, &v) in o.iter().enumerate().take(nt) {
+                *out.add(t * ostride + r) = v;
+            }
+        }
+    }
+
+    /// Gemv order, 8 weight rows per group in the lanes.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn gemv<const T: usize>(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        acts: &[*const u8; T],
+        nt: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let lo16 = _mm256_set1_epi32(0xffff);
+        let mut r0 = 0;
+        while r0 < nrows {
+            let valid = (nrows - r0).min(8);
+            let rows: [*const u8; 8] =
+                core::array::from_fn(|j| w.add((r0 + j.min(valid - 1)) * rb));
+            let mut acc = [_mm256_setzero_ps(); T];
+            let mut accm = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                let off = b * Q4K_BYTES;
+                let h: [i32; 8] =
+                    core::array::from_fn(|j| (rows[j].add(off) as *const i32).read_unaligned());
+                let hv = _mm256_loadu_si256(h.as_ptr() as *const __m256i);
+                // [d0..d3 m0..m3 | d4..d7 m4..m7] -> [d0..d7 | m0..m7]
+                let pk = _mm256_permute4x64_epi64(
+                    _mm256_packus_epi32(_mm256_and_si256(hv, lo16), _mm256_srli_epi32(hv, 16)),
+                    0b11_01_10_00,
+                );
+                let dwv = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
+                let dmv = _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1));
+                let mut s = [[_mm256_setzero_si256(); 8]; T];
+                let mut m = [[_mm256_setzero_si256(); 8]; T];
+                for j in 0..8 {
+                    let blk = unpack(rows[j].add(off));
+                    for t in 0..T {
+                        let at = acts[t.min(nt - 1)].add(b * Q8K_BYTES);
+                        let v01 = _mm256_add_epi32(sub(&blk, at, 0), sub(&blk, at, 1));
+                        let v23 = _mm256_add_epi32(sub(&blk, at, 2), sub(&blk, at, 3));
+                        let v45 = _mm256_add_epi32(sub(&blk, at, 4), sub(&blk, at, 5));
+                        let v67 = _mm256_add_epi32(sub(&blk, at, 6), sub(&blk, at, 7));
+                        s[t][j] = _mm256_add_epi32(
+                            _mm256_add_epi32(v01, v23),
+                            _mm256_add_epi32(v45, v67),
+                        );
+                        m[t][j] = mins(&blk, at);
+                    }
+                }
+                for t in 0..T {
+                    let d = _mm256_set1_ps(da(acts[t.min(nt - 1)].add(b * Q8K_BYTES)));
+                    acc[t] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(hsum8(&s[t])),
+                        _mm256_mul_ps(dwv, d),
+                        acc[t],
+                    );
+                    accm[t] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(hsum8(&m[t])),
+                        _mm256_mul_ps(dmv, d),
+                        accm[t],
+                    );
+                }
+            }
+            for t in 0..nt {
+                let res = _mm256_sub_ps(acc[t], accm[t]);
+                let o = out.add(t * ostride + r0);
+                if valid == 8 {
+                    _mm256_storeu_ps(o, res);
+                } else {
+                    let mut tmp = [0f32; 8];
+                    _mm256_storeu_ps(tmp.as_mut_ptr(), res);
+                    for (j, &v) in tmp.iter().enumerate().take(valid) {
+                        *o.add(j) = v;
+                    }
+                }
+            }
+            r0 += 8;
+        }
     }
 }
 
@@ -346,5 +627,251 @@ mod tests {
         );
         assert_eq!(total[0], total[1]);
         assert_eq!(total[2], total[3]);
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod simd_tests {
+    use super::*;
+    use crate::types::GgmlType;
+
+    fn has_avx2() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        /// Roughly normal, times a per-call magnitude.
+        fn f(&mut self) -> f32 {
+            let s: f32 = (0..4)
+                .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32)
+                .sum();
+            s - 2.0
+        }
+    }
+
+    fn weights(rng: &mut Rng, nrows: usize, nb: usize) -> Vec<u8> {
+        let k = nb * QK_K;
+        let mut w = vec![0u8; nrows * nb * Q4K_BYTES];
+        for r in 0..nrows {
+            let mag = [0.01f32, 1.0, 30.0][r % 3];
+            let x: Vec<f32> = (0..k)
+                .map(|i| {
+                    // some sub-blocks strictly positive so the mins matter
+                    let v = rng.f() * mag;
+                    if (i / 32) % 3 == 1 {
+                        v.abs() + mag
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            crate::quant::quantize(
+                GgmlType::Q4_K,
+                &x,
+                &mut w[r * nb * Q4K_BYTES..(r + 1) * nb * Q4K_BYTES],
+            )
+            .unwrap();
+        }
+        w
+    }
+
+    /// Activation rows: 4x8 rule (gemm) or reference Q8_K (gemv).
+    fn acts(rng: &mut Rng, n: usize, nb: usize, gemm: bool) -> Vec<u8> {
+        let k = nb * QK_K;
+        let mut a = vec![0u8; n * nb * Q8K_BYTES];
+        for t in 0..n {
+            let mag = [0.5f32, 7.0, 1e-3][t % 3];
+            let x: Vec<f32> = (0..k).map(|_| rng.f() * mag).collect();
+            let o = &mut a[t * nb * Q8K_BYTES..(t + 1) * nb * Q8K_BYTES];
+            if gemm {
+                quantize_row_q8k_4x8_ggml(&x, o);
+            } else {
+                crate::quant::quantize(GgmlType::Q8_K, &x, o).unwrap();
+            }
+        }
+        a
+    }
+
+    fn check<const GEMM: bool, const T: usize>(rng: &mut Rng) -> usize {
+        let mut n = 0;
+        for &nrows in &[1usize, 7, 8, 16, 37] {
+            for nb in 1..=6 {
+                let w = weights(rng, nrows, nb);
+                let a = acts(rng, T, nb, GEMM);
+                let rb = nb * Q4K_BYTES;
+                let ab = nb * Q8K_BYTES;
+                for nt in 1..=T {
+                    let ptrs: [*const u8; T] =
+                        std::array::from_fn(|t| a[t.min(nt - 1) * ab..].as_ptr());
+                    let ostride = nrows + 3;
+                    let mut out = vec![f32::NAN; T * ostride];
+                    unsafe {
+                        x86::tile::<GEMM, T>(
+                            w.as_ptr(),
+                            rb,
+                            nrows,
+                            nb,
+                            &ptrs,
+                            nt,
+                            out.as_mut_ptr(),
+                            ostride,
+                        )
+                    };
+                    for t in 0..T {
+                        for r in 0..ostride {
+                            let got = out[t * ostride + r];
+                            if t >= nt || r >= nrows {
+                                assert!(got.is_nan(), "wrote outside the tile");
+                                continue;
+                            }
+                            let wr = &w[r * rb..(r + 1) * rb];
+                            let ar = &a[t * ab..(t + 1) * ab];
+                            let want = if GEMM {
+                                dot_q4k_gemm_ggml(wr, ar)
+                            } else {
+                                dot_q4k_gemv_ggml(wr, ar)
+                            };
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "GEMM={GEMM} T={T} nrows={nrows} nb={nb} nt={nt} r={r} t={t}: {got:e} vs {want:e}"
+                            );
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn q4k_simd_tile_bit_exact() {
+        if !has_avx2() {
+            eprintln!("SKIPPED: no AVX2/FMA/F16C");
+            return;
+        }
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let n = check::<false, 1>(&mut rng)
+            + check::<false, 4>(&mut rng)
+            + check::<true, 4>(&mut rng)
+            + check::<true, 1>(&mut rng)
+            + check::<true, 6>(&mut rng);
+        eprintln!("{n} outputs bit-identical");
+    }
+
+    /// The whole `matmul` (pool split, gemm tiles + gemv tail) against the scalar functions.
+    #[test]
+    fn q4k_simd_matmul_bit_exact() {
+        use crate::kernels::{matmul, QActs, QMatrix, ThreadPool};
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng(42);
+        let (n_rows, nb) = (200usize, 3usize);
+        let k = nb * QK_K;
+        let w = weights(&mut rng, n_rows, nb);
+        let qm = QMatrix {
+            ty: GgmlType::Q4_K,
+            data: &w,
+            n_rows,
+            n_cols: k,
+        };
+        let rb = nb * Q4K_BYTES;
+        for n_tok in [1usize, 2, 3, 4, 5, 9, 12] {
+            let x: Vec<f32> = (0..n_tok * k).map(|_| rng.f()).collect();
+            let mut out = vec![0f32; n_tok * n_rows];
+            matmul(&pool, &qm, &x, &mut out, &mut QActs::default()).unwrap();
+            let n_gemm = n_tok - n_tok % 4;
+            let mut a = vec![0u8; nb * Q8K_BYTES];
+            for t in 0..n_tok {
+                let xr = &x[t * k..(t + 1) * k];
+                if t < n_gemm {
+                    quantize_row_q8k_4x8_ggml(xr, &mut a);
+                } else {
+                    crate::quant::quantize(GgmlType::Q8_K, xr, &mut a).unwrap();
+                }
+                for r in 0..n_rows {
+                    let wr = &w[r * rb..(r + 1) * rb];
+                    let want = if t < n_gemm {
+                        dot_q4k_gemm_ggml(wr, &a)
+                    } else {
+                        dot_q4k_gemv_ggml(wr, &a)
+                    };
+                    assert_eq!(
+                        out[t * n_rows + r].to_bits(),
+                        want.to_bits(),
+                        "n_tok={n_tok} t={t} r={r}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Timing print: `cargo test --release -p rustorch-core --lib q4k_simd_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn q4k_simd_timing() {
+        if !has_avx2() {
+            eprintln!("SKIPPED: no AVX2/FMA/F16C");
+            return;
+        }
+        let mut rng = Rng(7);
+        let (nrows, nb) = (1536usize, 8960 / QK_K);
+        let w = weights(&mut rng, nrows, nb);
+        let rb = nb * Q4K_BYTES;
+        let ab = nb * Q8K_BYTES;
+        let a1 = acts(&mut rng, 1, nb, false);
+        let a4 = acts(&mut rng, 4, nb, true);
+        let mut out = vec![0f32; 4 * nrows];
+        let time = |f: &mut dyn FnMut()| {
+            f();
+            let it = 20;
+            let t0 = std::time::Instant::now();
+            for _ in 0..it {
+                f();
+            }
+            t0.elapsed().as_secs_f64() * 1e3 / it as f64
+        };
+        let scalar_gemv = time(&mut || {
+            for r in 0..nrows {
+                out[r] = dot_q4k_gemv_ggml(&w[r * rb..(r + 1) * rb], &a1);
+            }
+        });
+        let simd_gemv = time(&mut || unsafe {
+            x86::tile::<false, 1>(
+                w.as_ptr(),
+                rb,
+                nrows,
+                nb,
+                &[a1.as_ptr()],
+                1,
+                out.as_mut_ptr(),
+                nrows,
+            )
+        });
+        let scalar_gemm = time(&mut || {
+            for t in 0..4 {
+                for r in 0..nrows {
+                    out[t * nrows + r] =
+                        dot_q4k_gemm_ggml(&w[r * rb..(r + 1) * rb], &a4[t * ab..(t + 1) * ab]);
+                }
+            }
+        });
+        let p4: [*const u8; 4] = std::array::from_fn(|t| a4[t * ab..].as_ptr());
+        let simd_gemm = time(&mut || unsafe {
+            x86::tile::<true, 4>(w.as_ptr(), rb, nrows, nb, &p4, 4, out.as_mut_ptr(), nrows)
+        });
+        eprintln!(
+            "1536x8960 Q4_K, 1 thread: gemv 1 row scalar {scalar_gemv:.2} ms, simd {simd_gemv:.3} ms; \
+             gemm 4 rows scalar {scalar_gemm:.2} ms, simd {simd_gemm:.3} ms"
+        );
     }
 }

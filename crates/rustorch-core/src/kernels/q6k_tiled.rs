@@ -68,6 +68,7 @@
 //!   `ggml_tiled_narrow_k_extent` picks chunks of `k_extent = 256 * num_k` (≤ 31 KiB / (16 +
 //!   rows), floored to a multiple of 256 that divides `ne00`), chunks `k0` in order and
 //!   inside each chunk slabs `0..num_k` in order, again one microtile call (one fma) per slab.
+//!
 //! Every microtile call handles exactly one super-block and does the epilogue for it, so the
 //! float sequence per element is the same for any `k_extent`, window (256×256 macrotiles,
 //! ragged edges, 16×16 microtiles as two 8×16 bands) or thread chunking (chunks of 256 rows /
@@ -155,6 +156,290 @@ pub(crate) fn dot_q6k_tiled_ggml(w_row: &[u8], act: &[u8]) -> f32 {
         acc = r.mul_add(d1, acc);
     }
     acc
+}
+
+/// SIMD versions of [`dot_q6k_tiled_ggml`] for a tile of weight rows × up to `T` activation
+/// rows, bit-identical to it: the integer part of every super-block (`s1`) is exact however
+/// it is summed, and the float epilogue `acc = fma(f32(s1) * d0, d1, acc)` runs per output in
+/// vector lanes (one lane per activation row), super-blocks in order, from `+0.0`.
+///
+/// Integer layout: each weight super-block is unpacked once (32 or 64 unsigned 6-bit codes at
+/// a time) and reused for the `T` activation rows: `maddubs(codes, q8)` (pairs, at most
+/// `2 * 63 * 128` so no i16 saturation), times the sub-block scale (`madd` / `vpdpwssd`
+/// into i32), plus `bsums · (-32 sc)` for the code bias; the `T` lane vectors are then
+/// reduced with a horizontal-add tree to one i32 per activation row.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use super::{Q6K_BYTES, Q8K_BYTES, QK_K};
+    use crate::quant::f16_to_f32;
+    use std::arch::x86_64::*;
+
+    /// Offset of the 16 i16 bsums in a Q8_K block.
+    const BSUMS: usize = 4 + QK_K;
+
+    /// The 32 codes of elements `32 c .. 32 c + 32` of the Q6_K block at `blk` (`c < 8`).
+    #[inline(always)]
+    unsafe fn codes32(blk: *const u8, c: usize) -> __m256i {
+        let (h, q) = (c / 4, c % 4);
+        let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (q & 1)) as *const __m256i);
+        let qh = _mm256_loadu_si256(blk.add(128 + 32 * h) as *const __m256i);
+        let m4 = _mm256_set1_epi8(0x0f);
+        let lo = if q >= 2 {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
+        } else {
+            _mm256_and_si256(ql, m4)
+        };
+        // ((qh >> 2q) & 3) << 4 == (qh shifted by 4 - 2q) & 0x30; the 16-bit shifts only
+        // move bits of the neighbouring byte into positions the mask clears.
+        let hi = match q {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi16::<2>(qh),
+        };
+        _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)))
+    }
+
+    /// Sums each of the 8 vectors: lane `i` of the result = Σ lanes of `a[i]`.
+    #[inline(always)]
+    unsafe fn reduce8(a: &[__m256i]) -> __m256i {
+        let h01 = _mm256_hadd_epi32(a[0], a[1]);
+        let h23 = _mm256_hadd_epi32(a[2], a[3]);
+        let h45 = _mm256_hadd_epi32(a[4], a[5]);
+        let h67 = _mm256_hadd_epi32(a[6], a[7]);
+        let h0123 = _mm256_hadd_epi32(h01, h23);
+        let h4567 = _mm256_hadd_epi32(h45, h67);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(h0123, h4567),
+            _mm256_permute2x128_si256::<0x31>(h0123, h4567),
+        )
+    }
+
+    /// Sums each of the 4 vectors: lane `i` of the result = Σ lanes of `a[i]`.
+    #[inline(always)]
+    unsafe fn reduce4(a: &[__m256i]) -> __m128i {
+        let h01 = _mm256_hadd_epi32(a[0], a[1]);
+        let h23 = _mm256_hadd_epi32(a[2], a[3]);
+        let h = _mm256_hadd_epi32(h01, h23);
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+    }
+
+    /// The float epilogue of one super-block for `T` (4 or 8) lanes: `acc = fma(f32(s1) * d0,
+    /// d1, acc)` with `s1` the lane sums of `accs`, `d1` = `d1s[..T]`. `acc` holds `T` f32.
+    #[inline(always)]
+    unsafe fn epilogue<const T: usize>(
+        accs: &[__m256i],
+        d0: f32,
+        d1s: *const f32,
+        acc: &mut [f32; T],
+    ) {
+        if T == 8 {
+            let s = _mm256_cvtepi32_ps(reduce8(accs));
+            let r = _mm256_mul_ps(s, _mm256_set1_ps(d0));
+            let a = _mm256_loadu_ps(acc.as_ptr());
+            let a = _mm256_fmadd_ps(r, _mm256_loadu_ps(d1s), a);
+            _mm256_storeu_ps(acc.as_mut_ptr(), a);
+        } else if T == 4 {
+            let s = _mm_cvtepi32_ps(reduce4(accs));
+            let r = _mm_mul_ps(s, _mm_set1_ps(d0));
+            let a = _mm_loadu_ps(acc.as_ptr());
+            let a = _mm_fmadd_ps(r, _mm_loadu_ps(d1s), a);
+            _mm_storeu_ps(acc.as_mut_ptr(), a);
+        } else {
+            for t in 0..T {
+                let mut l = [0i32; 8];
+                _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, accs[t]);
+                let s1 = l.iter().fold(0i32, |x, &y| x.wrapping_add(y));
+                acc[t] = ((s1 as f32) * d0).mul_add(*d1s.add(t), acc[t]);
+            }
+        }
+    }
+
+    /// Token pointers with the unused slots (`t >= nt`) aliased to row 0, and the activation
+    /// scales `d1` as `[block][token]` (`nb * T`).
+    #[inline(always)]
+    unsafe fn prepare<const T: usize>(
+        acts: &[*const u8; T],
+        nt: usize,
+        nb: usize,
+    ) -> ([*const u8; T], Vec<f32>) {
+        assert!(nt >= 1 && nt <= T);
+        let mut a = *acts;
+        for p in a.iter_mut().skip(nt) {
+            *p = acts[0];
+        }
+        let mut d1s = vec![0f32; nb * T];
+        for b in 0..nb {
+            for t in 0..T {
+                d1s[b * T + t] = (a[t].add(b * Q8K_BYTES) as *const f32).read_unaligned();
+            }
+        }
+        (a, d1s)
+    }
+
+    #[inline(always)]
+    unsafe fn store<const T: usize>(
+        acc: &[f32; T],
+        nt: usize,
+        out: *mut f32,
+        ostride: usize,
+        r: usize,
+    ) {
+        for (t, &v) in acc.iter().enumerate().take(nt) {
+            *out.add(t * ostride + r) = v;
+        }
+    }
+
+    /// `out[t * ostride + r] = dot_q6k_tiled_ggml(row r, act row t)` for `r < nrows`,
+    /// `t < nt <= T` (weight row `r` at `w + r * rb`, `nb` Q6_K blocks; activation row `t`:
+    /// `nb` Q8_K blocks at `acts[t]`). AVX2 + FMA; `T` is best 4 or 8.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; all pointers valid for the sizes above, `nt >= 1`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn tile<const T: usize>(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        acts: &[*const u8; T],
+        nt: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let (a, d1s) = prepare(acts, nt, nb);
+        let shuf = _mm256_setr_epi8(
+            0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+            3, 2, 3,
+        );
+        for r in 0..nrows {
+            let wr = w.add(r * rb);
+            let mut acc = [0f32; T];
+            for b in 0..nb {
+                let blk = wr.add(b * Q6K_BYTES);
+                let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
+                let neg32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16::<5>(sc16));
+                let mut accs = [_mm256_setzero_si256(); T];
+                for (t, s) in accs.iter_mut().enumerate() {
+                    let bs = _mm256_loadu_si256(a[t].add(b * Q8K_BYTES + BSUMS) as *const __m256i);
+                    *s = _mm256_madd_epi16(bs, neg32);
+                }
+                for c in 0..8 {
+                    let codes = codes32(blk, c);
+                    // i16 lanes: sc[2c] in the low 128 bits, sc[2c + 1] in the high ones
+                    let scv = _mm256_shuffle_epi8(
+                        _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c as i32)),
+                        shuf,
+                    );
+                    for (t, s) in accs.iter_mut().enumerate() {
+                        let q = _mm256_loadu_si256(
+                            a[t].add(b * Q8K_BYTES + 4 + 32 * c) as *const __m256i
+                        );
+                        *s = _mm256_add_epi32(
+                            *s,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), scv),
+                        );
+                    }
+                }
+                epilogue::<T>(
+                    &accs,
+                    f16_to_f32(u16::from_le_bytes([*blk.add(208), *blk.add(209)])),
+                    d1s.as_ptr().add(b * T),
+                    &mut acc,
+                );
+            }
+            store(&acc, nt, out, ostride, r);
+        }
+    }
+
+    /// As [`tile`], with AVX-512 BW + VNNI (64 codes per step, `vpdpwssd`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; pointers as for [`tile`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(crate) unsafe fn tile_avx512<const T: usize>(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        acts: &[*const u8; T],
+        nt: usize,
+        out: *mut f32,
+        ostride: usize,
+    ) {
+        let (a, d1s) = prepare(acts, nt, nb);
+        let m4 = _mm512_set1_epi8(0x0f);
+        let m30 = _mm512_set1_epi8(0x30);
+        // 16-bit shift counts per 256-bit half: quarters (0, 1) shift left by (4, 2),
+        // quarters (2, 3) shift right by (0, 2) before the 0x30 mask
+        let cnt_l = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+        let cnt_r = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+        for r in 0..nrows {
+            let wr = w.add(r * rb);
+            let mut acc = [0f32; T];
+            for b in 0..nb {
+                let blk = wr.add(b * Q6K_BYTES);
+                let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
+                let neg32 = _mm512_zextsi256_si512(_mm256_sub_epi16(
+                    _mm256_setzero_si256(),
+                    _mm256_slli_epi16::<5>(sc16),
+                ));
+                let scz = _mm512_zextsi256_si512(sc16);
+                let mut accs = [_mm512_setzero_si512(); T];
+                for (t, s) in accs.iter_mut().enumerate() {
+                    let bs = _mm256_loadu_si256(a[t].add(b * Q8K_BYTES + BSUMS) as *const __m256i);
+                    *s = _mm512_madd_epi16(_mm512_zextsi256_si512(bs), neg32);
+                }
+                for c in 0..4 {
+                    let h = c / 2;
+                    let ql = _mm512_loadu_si512(blk.add(64 * h) as *const _);
+                    let qh = _mm256_loadu_si256(blk.add(128 + 32 * h) as *const __m256i);
+                    let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
+                    let (lo, hi) = if c % 2 == 0 {
+                        (_mm512_and_si512(ql, m4), _mm512_sllv_epi16(qh, cnt_l))
+                    } else {
+                        (
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                            _mm512_srlv_epi16(qh, cnt_r),
+                        )
+                    };
+                    let codes = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
+                    // i16 lanes: 128-bit lane k holds sc[4c + k]
+                    let idx = _mm512_add_epi16(
+                        _mm512_set1_epi16(4 * c as i16),
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_setr_epi16(
+                                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                            )),
+                            _mm256_setr_epi16(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                        ),
+                    );
+                    let scv = _mm512_permutexvar_epi16(idx, scz);
+                    for (t, s) in accs.iter_mut().enumerate() {
+                        let q =
+                            _mm512_loadu_si512(a[t].add(b * Q8K_BYTES + 4 + 64 * c) as *const _);
+                        *s = _mm512_dpwssd_epi32(*s, _mm512_maddubs_epi16(codes, q), scv);
+                    }
+                }
+                let mut y = [_mm256_setzero_si256(); T];
+                for (yt, s) in y.iter_mut().zip(accs.iter()) {
+                    *yt = _mm256_add_epi32(
+                        _mm512_castsi512_si256(*s),
+                        _mm512_extracti64x4_epi64::<1>(*s),
+                    );
+                }
+                epilogue::<T>(
+                    &y,
+                    f16_to_f32(u16::from_le_bytes([*blk.add(208), *blk.add(209)])),
+                    d1s.as_ptr().add(b * T),
+                    &mut acc,
+                );
+            }
+            store(&acc, nt, out, ostride, r);
+        }
+    }
 }
 
 /// A different, plausible float order (vec_dot style `d = d1 * d0` then
@@ -277,6 +562,222 @@ mod tests {
         assert_eq!(t[0], t[1]);
         assert_eq!(t[2], t[3]);
         assert!(t[4] < t[3], "fixture does not discriminate the float order");
+    }
+
+    /// Deterministic pseudo-random f32 in about [-1, 1) (xorshift64*).
+    fn rand_f32s(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s >> 12;
+                s ^= s << 25;
+                s ^= s >> 27;
+                let v = s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
+                (v as f32 / (1u64 << 23) as f32 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    fn rand_q6k(seed: u64, nrows: usize, nb: usize) -> Vec<u8> {
+        let x = rand_f32s(seed, nrows * nb * QK_K, 0.05);
+        let mut w = vec![0u8; nrows * nb * Q6K_BYTES];
+        crate::quant::quantize(crate::types::GgmlType::Q6_K, &x, &mut w).unwrap();
+        w
+    }
+
+    fn rand_q8k(seed: u64, nt: usize, nb: usize) -> Vec<u8> {
+        // a few outliers per row so the scales differ between blocks
+        let mut x = rand_f32s(seed, nt * nb * QK_K, 3.0);
+        for (i, v) in x.iter_mut().enumerate().filter(|(i, _)| i % 97 == 5) {
+            *v *= 1.0 + (i % 7) as f32;
+        }
+        let mut a = vec![0u8; nt * nb * Q8K_BYTES];
+        crate::quant::quantize(crate::types::GgmlType::Q8_K, &x, &mut a).unwrap();
+        a
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    type TileFn<const T: usize> =
+        unsafe fn(*const u8, usize, usize, usize, &[*const u8; T], usize, *mut f32, usize);
+
+    /// Runs `f` on every row/token configuration and compares with the scalar function.
+    #[cfg(target_arch = "x86_64")]
+    fn check_tile<const T: usize>(f: TileFn<T>, name: &str) {
+        let mut n = 0;
+        for nb in 1..=6 {
+            for nrows in [1, 7, 16, 37] {
+                let w = rand_q6k((nb * 131 + nrows) as u64, nrows, nb);
+                let rb = nb * Q6K_BYTES;
+                for nt in 1..=T {
+                    let a = rand_q8k((nb * 7919 + nrows * 31 + nt) as u64, nt, nb);
+                    let ab = nb * Q8K_BYTES;
+                    let mut ptrs = [std::ptr::null::<u8>(); T];
+                    for (t, p) in ptrs.iter_mut().enumerate().take(nt) {
+                        *p = a[t * ab..].as_ptr();
+                    }
+                    let ostride = nrows + 3;
+                    let mut out = vec![f32::NAN; nt * ostride];
+                    // SAFETY: features checked by the caller; buffers sized as documented.
+                    unsafe {
+                        f(
+                            w.as_ptr(),
+                            rb,
+                            nrows,
+                            nb,
+                            &ptrs,
+                            nt,
+                            out.as_mut_ptr(),
+                            ostride,
+                        )
+                    };
+                    for t in 0..nt {
+                        for r in 0..nrows {
+                            let want = dot_q6k_tiled_ggml(
+                                &w[r * rb..(r + 1) * rb],
+                                &a[t * ab..(t + 1) * ab],
+                            );
+                            let got = out[t * ostride + r];
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{name} T={T} nb={nb} nrows={nrows} nt={nt} t={t} r={r}: {got:e} vs {want:e}"
+                            );
+                            n += 1;
+                        }
+                        assert!(out[t * ostride + nrows..(t + 1) * ostride]
+                            .iter()
+                            .all(|v| v.is_nan()));
+                    }
+                }
+            }
+        }
+        eprintln!("{name} T={T}: {n} outputs bit-identical");
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx2() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512() -> bool {
+        has_avx2()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn q6k_tiled_avx2_matches_scalar() {
+        if !has_avx2() {
+            eprintln!("SKIPPED: no AVX2/FMA/F16C");
+            return;
+        }
+        check_tile::<4>(x86::tile::<4>, "avx2");
+        check_tile::<8>(x86::tile::<8>, "avx2");
+        check_tile::<3>(x86::tile::<3>, "avx2");
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn q6k_tiled_avx512_matches_scalar() {
+        if !has_avx512() {
+            eprintln!("SKIPPED: no AVX-512 F/BW/VL/VNNI");
+            return;
+        }
+        check_tile::<4>(x86::tile_avx512::<4>, "avx512");
+        check_tile::<8>(x86::tile_avx512::<8>, "avx512");
+        check_tile::<3>(x86::tile_avx512::<3>, "avx512");
+    }
+
+    /// Single-thread timing, 896×4864 Q6_K × 16 activation rows:
+    /// `cargo test --release -p rustorch-core --lib q6k_tiled_bench -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    #[cfg(target_arch = "x86_64")]
+    fn q6k_tiled_bench() {
+        let (nrows, nb, nt) = (896, 4864 / QK_K, 16);
+        let w = rand_q6k(1, nrows, nb);
+        let a = rand_q8k(2, nt, nb);
+        let (rb, ab) = (nb * Q6K_BYTES, nb * Q8K_BYTES);
+        let mut want = vec![0f32; nt * nrows];
+        let t0 = std::time::Instant::now();
+        for t in 0..nt {
+            for r in 0..nrows {
+                want[t * nrows + r] =
+                    dot_q6k_tiled_ggml(&w[r * rb..(r + 1) * rb], &a[t * ab..(t + 1) * ab]);
+            }
+        }
+        eprintln!("scalar: {:.2} ms", t0.elapsed().as_secs_f64() * 1e3);
+        fn run<const T: usize>(
+            f: TileFn<T>,
+            w: &[u8],
+            a: &[u8],
+            nb: usize,
+            nrows: usize,
+            nt: usize,
+            out: &mut [f32],
+        ) {
+            let (rb, ab) = (nb * Q6K_BYTES, nb * Q8K_BYTES);
+            for t0 in (0..nt).step_by(T) {
+                let n = T.min(nt - t0);
+                let mut p = [a.as_ptr(); T];
+                for (i, pi) in p.iter_mut().enumerate().take(n) {
+                    *pi = a[(t0 + i) * ab..].as_ptr();
+                }
+                // SAFETY: features checked by the caller; buffers sized as documented.
+                unsafe {
+                    f(
+                        w.as_ptr(),
+                        rb,
+                        nrows,
+                        nb,
+                        &p,
+                        n,
+                        out[t0 * nrows..].as_mut_ptr(),
+                        nrows,
+                    )
+                };
+            }
+        }
+        let mut got = vec![0f32; nt * nrows];
+        let mut bench = |name: &str, f: &dyn Fn(&mut [f32])| {
+            got.fill(0.0);
+            f(&mut got);
+            let t0 = std::time::Instant::now();
+            let reps = 20;
+            for _ in 0..reps {
+                f(&mut got);
+            }
+            eprintln!(
+                "{name}: {:.3} ms",
+                t0.elapsed().as_secs_f64() * 1e3 / reps as f64
+            );
+            assert!(got
+                .iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits()));
+        };
+        if has_avx2() {
+            bench("avx2 T=4", &|o| {
+                run::<4>(x86::tile::<4>, &w, &a, nb, nrows, nt, o)
+            });
+            bench("avx2 T=8", &|o| {
+                run::<8>(x86::tile::<8>, &w, &a, nb, nrows, nt, o)
+            });
+        }
+        if has_avx512() {
+            bench("avx512 T=4", &|o| {
+                run::<4>(x86::tile_avx512::<4>, &w, &a, nb, nrows, nt, o)
+            });
+            bench("avx512 T=8", &|o| {
+                run::<8>(x86::tile_avx512::<8>, &w, &a, nb, nrows, nt, o)
+            });
+        }
     }
 
     /// Whole matmuls: `Q6K_TILED_FULL=/path/full.bin cargo test --release -p rustorch-core

@@ -53,6 +53,7 @@ unsafe fn lanes<const F: u8>(x: __m256i, y: __m256i) -> __m256 {
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn tile<const F: u8, const T: usize>(
     w: *const u8,
@@ -140,6 +141,7 @@ pub(crate) unsafe fn gemv<const F: u8>(
 ///
 /// # Safety
 /// As [`tile`]; `F` must be Q6_K.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn tile_q6k<const T: usize>(
     w: *const u8,
@@ -225,4 +227,77 @@ pub(crate) unsafe fn gemv_q6k(
     out: *mut f32,
 ) {
     tile_q6k::<1>(w, rb, nrows, nb, &[a], 1, out, 0);
+}
+
+/// Two blocks' worth of [`lanes`] on AVX-512: `x` holds one block of two weight rows
+/// (256-bit halves), `y` the activation block in both halves.
+#[inline(always)]
+unsafe fn lanes512<const F: u8>(x: __m512i, y: __m512i) -> __m512 {
+    let z = _mm512_setzero_si512();
+    let s = if has_min(F) {
+        _mm512_dpbusd_epi32(z, x, y)
+    } else {
+        let neg = _mm512_movepi8_mask(x);
+        let sy = _mm512_mask_sub_epi8(y, neg, z, y);
+        _mm512_dpbusd_epi32(z, _mm512_abs_epi8(x), sy)
+    };
+    _mm512_cvtepi32_ps(s)
+}
+
+/// [`gemv`] on AVX-512: two weight rows per 512-bit register (one 8-lane accumulator each,
+/// the same float steps per lane), four rows per iteration. Not for IQ4_NL.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI must be available; pointers must cover the stated sizes.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn gemv512<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
+    let bs = block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let mut r0 = 0;
+    while r0 < nrows {
+        let rows: [*const u8; 4] = std::array::from_fn(|i| w.add((r0 + i).min(nrows - 1) * rb));
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut summs = [0f32; 4];
+        for b in 0..nb {
+            let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                a.q.add(b * abs + aqo) as *const __m256i
+            ));
+            let da = *a.d.add(b);
+            for h in 0..2 {
+                let (p0, p1) = (rows[2 * h].add(b * bs), rows[2 * h + 1].add(b * bs));
+                let x = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(values::<F>(p0)),
+                    values::<F>(p1),
+                );
+                let sc = _mm512_insertf32x8::<1>(
+                    _mm512_set1_ps(f16(rd_u16(p0)) * da),
+                    _mm256_set1_ps(f16(rd_u16(p1)) * da),
+                );
+                acc[h] = _mm512_fmadd_ps(sc, lanes512::<F>(x, y), acc[h]);
+                if has_min(F) {
+                    let sa = *a.s.add(b);
+                    summs[2 * h] = f16(rd_u16(p0.add(2))).mul_add(sa, summs[2 * h]);
+                    summs[2 * h + 1] = f16(rd_u16(p1.add(2))).mul_add(sa, summs[2 * h + 1]);
+                }
+            }
+        }
+        for i in 0..4.min(nrows - r0) {
+            let v = acc[i / 2];
+            let half = if i % 2 == 0 {
+                _mm512_castps512_ps256(v)
+            } else {
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+            };
+            *out.add(r0 + i) = hsum_float_8(half) + summs[i];
+        }
+        r0 += 4;
+    }
 }
