@@ -110,11 +110,14 @@ fn run_model(key: &str, threads: usize) {
         // feeding prompt and continuation as one batch would not reproduce its numbers.)
         // Until our argmax first differs from llama.cpp's token, the tokens fed are exactly
         // our own greedy continuation, so the first such step is where greedy diverges.
+        // The fixtures were recorded with logits for every prompt token (llama-cpp-python's
+        // `logits_all`), so the prompt batch asks for all of them too: the last layer then
+        // runs all rows, as it did in llama.cpp.
         let np = case.tokens.len();
         let mut cache = model.new_cache(512);
         let mut out = model
             .forward(
-                &Batch::from_prompt(&case.tokens, 0, 0, false),
+                &Batch::from_prompt(&case.tokens, 0, 0, true),
                 &mut cache,
                 &rt,
             )

@@ -14,6 +14,7 @@
 //! reference, but not between paths).
 
 pub mod attn;
+pub mod attn_long;
 mod cpu;
 mod dot;
 mod fdot;

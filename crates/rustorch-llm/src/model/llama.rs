@@ -15,7 +15,8 @@
 //! logits = rms_norm(x) * output_norm · Woutᵀ            Wout may be tied to the embedding
 //! ```
 
-use rustorch_core::kernels::attn::{attend_group, GroupQuery, HeadAttn};
+use rustorch_core::kernels::attn::{self, GroupQuery, HeadAttn};
+use rustorch_core::kernels::attn_long;
 use rustorch_core::kernels::ops::rms_norm;
 use rustorch_core::kernels::{
     gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, QActs,
@@ -213,6 +214,9 @@ impl Llama {
         };
         hook("embd", 0, x);
 
+        let rows: Vec<usize> = (0..n).filter(|&i| batch.logits[i]).collect();
+        // rows carried through the layers (all, except in the last layer; see below)
+        let mut nr = n;
         for (il, layer) in self.layers.iter().enumerate() {
             // h = rms_norm(x) * attn_norm
             h.copy_from_slice(x);
@@ -269,6 +273,18 @@ impl Llama {
             // x = x + attn·Wo
             mm(&layer.wo, attn, proj, qa)?;
             hook("attn_out", il, proj);
+            // The last layer's output only feeds the logits: like llama.cpp, keep just the
+            // rows that want logits from here on (its kernels depend on the row count).
+            if il + 1 == self.layers.len() && rows.len() < n {
+                for (k, &i) in rows.iter().enumerate() {
+                    x.copy_within(i * e..(i + 1) * e, k * e);
+                    proj.copy_within(i * e..(i + 1) * e, k * e);
+                }
+                nr = rows.len();
+            }
+            let row_index = |k: usize| if nr < n { rows[k] } else { k };
+            let (x, h, proj) = (&mut x[..nr * e], &mut h[..nr * e], &mut proj[..nr * e]);
+            let (gate, up) = (&mut gate[..nr * hp.n_ff], &mut up[..nr * hp.n_ff]);
             add_into(x, proj);
             hook("ffn_inp", il, x);
 
@@ -278,33 +294,37 @@ impl Llama {
                 rms_norm(row, &layer.ffn_norm, hp.rms_eps);
             }
             hook("ffn_norm", il, h);
-            if fuse && rt.tensor_hook.is_none() {
-                let (wg, wu) = (layer.w_gate.view(bytes), layer.w_up.view(bytes));
-                matmul_swiglu(pool, &wg, &wu, h, gate, up, qa)?;
-            } else {
-                mm(&layer.w_gate, h, gate, qa)?;
-                mm(&layer.w_up, h, up, qa)?;
-                hook("ffn_gate", il, gate);
-                hook("ffn_up", il, up);
-                gexp::swiglu(isa(), gate, up, hp.n_ff);
+            if nr > 0 {
+                if fuse && rt.tensor_hook.is_none() {
+                    let (wg, wu) = (layer.w_gate.view(bytes), layer.w_up.view(bytes));
+                    matmul_swiglu(pool, &wg, &wu, h, gate, up, qa)?;
+                } else {
+                    mm(&layer.w_gate, h, gate, qa)?;
+                    mm(&layer.w_up, h, up, qa)?;
+                    hook("ffn_gate", il, gate);
+                    hook("ffn_up", il, up);
+                    gexp::swiglu(isa(), gate, up, hp.n_ff);
+                }
+                hook("ffn_swiglu", il, gate);
+                mm(&layer.w_down, gate, proj, qa)?;
             }
-            hook("ffn_swiglu", il, gate);
-            mm(&layer.w_down, gate, proj, qa)?;
             hook("ffn_out", il, proj);
             add_into(x, proj);
             hook("l_out", il, x);
 
             if rt.dump_layers {
-                for (i, row) in x.chunks_exact(e).enumerate() {
+                for (k, row) in x.chunks_exact(e).enumerate() {
+                    let i = row_index(k);
                     stats.push(layer_stat(il, i, batch.positions[i], row));
                 }
             }
         }
 
-        // logits for the tokens that asked for them
-        let rows: Vec<usize> = (0..n).filter(|&i| batch.logits[i]).collect();
+        // logits for the tokens that asked for them (row k of `x` is token `rows[k]` when the
+        // last layer kept only those rows, token k otherwise)
         hout.clear();
-        for &i in &rows {
+        for (k, &i) in rows.iter().enumerate() {
+            let i = if nr < n { k } else { i };
             let start = hout.len();
             hout.extend_from_slice(&x[i * e..(i + 1) * e]);
             rms_norm(&mut hout[start..], &self.output_norm, hp.rms_eps);
@@ -438,7 +458,7 @@ fn attention(
                 max_pos: batch.positions[0],
                 out: out_head,
             }];
-            attend_group(isa, &kv, &mut one);
+            attn::attend_group(isa, &kv, &mut one);
             return;
         }
         let mut queries = Vec::with_capacity((t1 - t0) * heads_per_task);
@@ -454,6 +474,11 @@ fn attention(
                 });
             }
         }
-        attend_group(isa, &kv, &mut queries);
+        // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on
+        if n >= 64 {
+            attn_long::attend_group(isa, &kv, &mut queries);
+        } else {
+            attn::attend_group(isa, &kv, &mut queries);
+        }
     });
 }

@@ -1,0 +1,596 @@
+//! Attention for batches of 64 or more query rows. There llama.cpp's CPU flash attention
+//! switches to a tiled algorithm (`GGML_FA_TILE_Q`) whose float order `attn.rs` does not
+//! reproduce, so bit parity is out of reach either way; this module computes the same
+//! online-softmax attention with an f16 accumulator, grouped over the queries sharing a
+//! KV head so that keys and values are converted once, with a vectorised `exp`.
+//!
+
+use super::cpu::Isa;
+use crate::quant::{f16_to_f32, f32_to_f16};
+
+pub use super::attn::{GroupQuery, HeadAttn};
+
+/// Writes the attention output of one head to `out` (`q.len()` values; zeros when no cell
+/// is visible).
+pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    debug_assert_eq!(out.len(), hd);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512 && hd.is_multiple_of(16) && hd <= 256 {
+            // SAFETY: the family was detected; slices are bounds-checked per row inside.
+            return unsafe { x86::attend_avx512(h, out) };
+        }
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) && hd.is_multiple_of(8) && hd <= 256 {
+            // SAFETY: as above.
+            return unsafe { x86::attend_avx2(h, out) };
+        }
+    }
+    let _ = isa;
+    attend_scalar(h, out)
+}
+
+/// Several queries (heads of one KV group, tokens of one sequence) over the same key/value
+/// rows; `h.q` and `h.max_pos` are ignored. Each output equals what [`attend_head`] computes
+/// for that query alone up to the key dot product's summation order, and does not depend on
+/// which other queries share the call.
+pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let hd = queries.first().map_or(0, |q| q.q.len());
+        if isa == Isa::Avx512 && hd.is_multiple_of(16) && hd > 0 && hd <= 256 {
+            let vexp = super::vexp::vexp_enabled(isa);
+            for chunk in queries.chunks_mut(x86::MAX_Q) {
+                // SAFETY: the family was detected; rows are bounds-checked inside.
+                unsafe { x86::attend_group_avx512(h, chunk, vexp) };
+            }
+            return;
+        }
+    }
+    for gq in queries.iter_mut() {
+        let one = HeadAttn {
+            q: gq.q,
+            max_pos: gq.max_pos,
+            ..*h
+        };
+        attend_head(isa, &one, gq.out);
+    }
+}
+
+/// The scalar reference.
+pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    out.fill(0.0);
+    let mut qh = [0f32; 256];
+    let mut acc = [0u16; 256];
+    if hd > 256 {
+        return attend_scalar_large(h, out);
+    }
+    let (qh, acc) = (&mut qh[..hd], &mut acc[..hd]);
+    for (d, &x) in qh.iter_mut().zip(h.q) {
+        *d = f16_to_f32(f32_to_f16(x));
+    }
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (c, &p) in h.pos.iter().enumerate() {
+        if p > h.max_pos {
+            continue;
+        }
+        let base = c * h.stride + h.offset;
+        let kr = &h.k[base..base + hd];
+        let mut s = 0f32;
+        for (a, b) in qh.iter().zip(kr) {
+            s += a * f16_to_f32(*b);
+        }
+        let s = s * h.scale;
+        let mut ms = 1.0f32;
+        let mut vs = 1.0f32;
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            for a in acc.iter_mut() {
+                *a = f32_to_f16(f16_to_f32(*a) * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
+            *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
+        }
+        sum = sum * ms + vs;
+    }
+    if sum == 0.0 {
+        return;
+    }
+    let inv = 1.0 / sum;
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        *o = f16_to_f32(*a) * inv;
+    }
+}
+
+fn attend_scalar_large(h: &HeadAttn<'_>, out: &mut [f32]) {
+    let hd = h.q.len();
+    let qh: Vec<f32> = h.q.iter().map(|&x| f16_to_f32(f32_to_f16(x))).collect();
+    let mut acc = vec![0u16; hd];
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (c, &p) in h.pos.iter().enumerate() {
+        if p > h.max_pos {
+            continue;
+        }
+        let base = c * h.stride + h.offset;
+        let mut s = 0f32;
+        for (a, b) in qh.iter().zip(&h.k[base..base + hd]) {
+            s += a * f16_to_f32(*b);
+        }
+        let s = s * h.scale;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            for a in acc.iter_mut() {
+                *a = f32_to_f16(f16_to_f32(*a) * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
+            *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
+        }
+        sum = sum * ms + vs;
+    }
+    out.fill(0.0);
+    if sum == 0.0 {
+        return;
+    }
+    let inv = 1.0 / sum;
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = f16_to_f32(*a) * inv;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::HeadAttn;
+    use std::arch::x86_64::*;
+
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_avx512(h: &HeadAttn<'_>, out: &mut [f32]) {
+        let hd = h.q.len();
+        let nv = hd / 16;
+        let zero = _mm512_setzero_ps();
+        // query rounded to f16; accumulator values are f16 numbers held as f32
+        let mut q = [zero; 16];
+        let mut acc = [zero; 16];
+        #[allow(clippy::needless_range_loop)] // indices address several arrays in step
+        for i in 0..nv {
+            let x = _mm512_loadu_ps(h.q.as_ptr().add(16 * i));
+            q[i] = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x));
+        }
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
+        for (c, &p) in h.pos.iter().enumerate() {
+            if p > h.max_pos {
+                continue;
+            }
+            let base = c * h.stride + h.offset;
+            assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+            let mut s0 = zero;
+            let mut s1 = zero;
+            let mut i = 0;
+            while i + 1 < nv {
+                let k0 =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
+                let k1 = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    kp.add(base + 16 * i + 16) as *const __m256i
+                ));
+                s0 = _mm512_fmadd_ps(q[i], k0, s0);
+                s1 = _mm512_fmadd_ps(q[i + 1], k1, s1);
+                i += 2;
+            }
+            if i < nv {
+                let k0 =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
+                s0 = _mm512_fmadd_ps(q[i], k0, s0);
+            }
+            let s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+                let msv = _mm512_set1_ps(ms);
+                for a in acc.iter_mut().take(nv) {
+                    *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*a, msv)));
+                }
+            } else {
+                vs = (s - m).exp();
+            }
+            let vsv = _mm512_set1_ps(vs);
+            for (i, a) in acc.iter_mut().enumerate().take(nv) {
+                let v =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(vp.add(base + 16 * i) as *const __m256i));
+                let t = _mm512_add_ps(*a, _mm512_mul_ps(v, vsv));
+                *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+            }
+            sum = sum * ms + vs;
+        }
+        if sum == 0.0 {
+            out.fill(0.0);
+            return;
+        }
+        let inv = _mm512_set1_ps(1.0 / sum);
+        for (i, a) in acc.iter().enumerate().take(nv) {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, inv));
+        }
+    }
+
+    pub(super) const MAX_Q: usize = 16;
+    const CH: usize = 16;
+
+    /// Folds 16 vectors into one whose lane `i` is the sum of the lanes of `z[i]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn transpose_sum16(z: &[__m512; 16]) -> __m512 {
+        let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let pair = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_permutex2var_ps(a, e, b),
+                _mm512_permutex2var_ps(a, o, b),
+            )
+        };
+        let y: [__m512; 8] = std::array::from_fn(|i| pair(z[2 * i], z[2 * i + 1]));
+        let x: [__m512; 4] = std::array::from_fn(|i| pair(y[2 * i], y[2 * i + 1]));
+        let w0 = pair(x[0], x[1]);
+        let w1 = pair(x[2], x[3]);
+        pair(w0, w1)
+    }
+
+    /// What the value update of one 16-cell chunk needs.
+    struct VState<'a> {
+        masks: &'a [u32; MAX_Q],
+        resc: &'a [u32; MAX_Q],
+        ex: &'a [[f32; 16]; MAX_Q],
+        vp: *const f32,
+        accp: *mut f32,
+        hd: usize,
+        nc: usize,
+    }
+
+    /// The value update for queries `j0..j0 + P` (head size `16 * NV`), accumulators in
+    /// registers.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn vupdate<const NV: usize, const P: usize>(
+        st: &VState<'_>,
+        j0: usize,
+        sum: &mut [f32; MAX_Q],
+    ) {
+        let mut a = [[_mm512_setzero_ps(); NV]; P];
+        for (jj, aj) in a.iter_mut().enumerate() {
+            for (i, ai) in aj.iter_mut().enumerate() {
+                *ai = _mm512_loadu_ps(st.accp.add((j0 + jj) * st.hd + 16 * i));
+            }
+        }
+        for c in 0..st.nc {
+            for (jj, aj) in a.iter_mut().enumerate() {
+                let j = j0 + jj;
+                if st.masks[j] & (1 << c) == 0 {
+                    continue;
+                }
+                let e = st.ex[j][c];
+                let (ms, vs) = if st.resc[j] & (1 << c) != 0 {
+                    let msv = _mm512_set1_ps(e);
+                    for ai in aj.iter_mut() {
+                        *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*ai, msv)));
+                    }
+                    (e, 1.0f32)
+                } else {
+                    (1.0f32, e)
+                };
+                let vsv = _mm512_set1_ps(vs);
+                for (i, ai) in aj.iter_mut().enumerate() {
+                    let t = _mm512_add_ps(
+                        *ai,
+                        _mm512_mul_ps(_mm512_loadu_ps(st.vp.add(c * st.hd + 16 * i)), vsv),
+                    );
+                    *ai = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t));
+                }
+                sum[j] = sum[j] * ms + vs;
+            }
+        }
+        for (jj, aj) in a.iter().enumerate() {
+            for (i, ai) in aj.iter().enumerate() {
+                _mm512_storeu_ps(st.accp.add((j0 + jj) * st.hd + 16 * i), *ai);
+            }
+        }
+    }
+
+    /// [`vupdate`] for one query of any head size (multiple of 16).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn vupdate_any(st: &VState<'_>, j: usize, nv: usize, sum: &mut [f32; MAX_Q]) {
+        let ap = st.accp.add(j * st.hd);
+        for c in 0..st.nc {
+            if st.masks[j] & (1 << c) == 0 {
+                continue;
+            }
+            let e = st.ex[j][c];
+            let rescale = st.resc[j] & (1 << c) != 0;
+            let (ms, vs) = if rescale { (e, 1.0f32) } else { (1.0f32, e) };
+            for i in 0..nv {
+                let mut a = _mm512_loadu_ps(ap.add(16 * i));
+                if rescale {
+                    a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(
+                        a,
+                        _mm512_set1_ps(ms),
+                    )));
+                }
+                let t = _mm512_add_ps(
+                    a,
+                    _mm512_mul_ps(
+                        _mm512_loadu_ps(st.vp.add(c * st.hd + 16 * i)),
+                        _mm512_set1_ps(vs),
+                    ),
+                );
+                _mm512_storeu_ps(ap.add(16 * i), _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(t)));
+            }
+            sum[j] = sum[j] * ms + vs;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_avx512(
+        h: &HeadAttn<'_>,
+        qs: &mut [super::GroupQuery<'_>],
+        vexp: bool,
+    ) {
+        let nq = qs.len();
+        let hd = qs[0].q.len();
+        let nv = hd / 16;
+        let zero = _mm512_setzero_ps();
+        use std::mem::MaybeUninit;
+        // Scratch rows of `hd` floats (only written parts are ever read).
+        let mut qbuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
+        let mut abuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
+        let mut kbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
+        let mut vbuf = MaybeUninit::<[f32; CH * 256]>::uninit();
+        let (qp, accp) = (qbuf.as_mut_ptr() as *mut f32, abuf.as_mut_ptr() as *mut f32);
+        let (kp, vp) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+        let vp_const = vp as *const f32;
+        let mut m = [f32::NEG_INFINITY; MAX_Q];
+        let mut sum = [0f32; MAX_Q];
+        for (j, gq) in qs.iter().enumerate() {
+            assert_eq!(gq.q.len(), hd);
+            for i in 0..nv {
+                let x = _mm512_loadu_ps(gq.q.as_ptr().add(16 * i));
+                _mm512_storeu_ps(
+                    qp.add(j * hd + 16 * i),
+                    _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(x)),
+                );
+                _mm512_storeu_ps(accp.add(j * hd + 16 * i), zero);
+            }
+        }
+        let ncell = h.pos.len();
+        let mut c0 = 0;
+        while c0 < ncell {
+            let nc = (ncell - c0).min(CH);
+            let mut masks = [0u32; MAX_Q];
+            let mut any = 0u32;
+            let valid: u32 = if nc == 16 { 0xffff } else { (1u32 << nc) - 1 };
+            let pv = _mm512_maskz_loadu_epi32(valid as u16, h.pos.as_ptr().add(c0) as *const i32);
+            for (j, gq) in qs.iter().enumerate() {
+                let mk = _mm512_mask_cmple_epu32_mask(
+                    valid as u16,
+                    pv,
+                    _mm512_set1_epi32(gq.max_pos as i32),
+                ) as u32;
+                masks[j] = mk;
+                any |= mk;
+            }
+            if any == 0 {
+                c0 += nc;
+                continue;
+            }
+            for c in 0..nc {
+                if any & (1 << c) == 0 {
+                    continue;
+                }
+                let base = (c0 + c) * h.stride + h.offset;
+                assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+                for i in 0..nv {
+                    let k = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        h.k.as_ptr().add(base + 16 * i) as *const __m256i
+                    ));
+                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        h.v.as_ptr().add(base + 16 * i) as *const __m256i
+                    ));
+                    _mm512_storeu_ps(kp.add(c * hd + 16 * i), k);
+                    _mm512_storeu_ps(vp.add(c * hd + 16 * i), v);
+                }
+            }
+            // phase 1, per query: the 16 scores, the online-max scan (exponent arguments in
+            // cell order) and one vector exp
+            let mut ex = [[0f32; 16]; MAX_Q];
+            let mut resc = [0u32; MAX_Q];
+            for j in 0..nq {
+                let mk = masks[j];
+                if mk == 0 {
+                    continue;
+                }
+                let mut z = [zero; 16];
+                for (c, zc) in z.iter_mut().enumerate().take(nc) {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let mut a = zero;
+                    for i in 0..nv {
+                        a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(qp.add(j * hd + 16 * i)),
+                            _mm512_loadu_ps(kp.add(c * hd + 16 * i)),
+                            a,
+                        );
+                    }
+                    *zc = a;
+                }
+                let sv = _mm512_mul_ps(transpose_sum16(&z), _mm512_set1_ps(h.scale));
+                let mut sc = [0f32; 16];
+                _mm512_storeu_ps(sc.as_mut_ptr(), sv);
+                let mut arg = [0f32; 16];
+                let mut rj = 0u32;
+                let mut mj = m[j];
+                for c in 0..nc {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let s = sc[c];
+                    if s > mj {
+                        arg[c] = mj - s;
+                        rj |= 1 << c;
+                        mj = s;
+                    } else {
+                        arg[c] = s - mj;
+                    }
+                }
+                m[j] = mj;
+                resc[j] = rj;
+                if vexp {
+                    _mm512_storeu_ps(
+                        ex[j].as_mut_ptr(),
+                        super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())),
+                    );
+                } else {
+                    for c in 0..nc {
+                        if mk & (1 << c) != 0 {
+                            ex[j][c] = arg[c].exp();
+                        }
+                    }
+                }
+            }
+            // phase 2: weighted values into the f16 accumulators, several queries at a time
+            // so that their (latency-bound) update chains overlap
+            let st = VState {
+                masks: &masks,
+                resc: &resc,
+                ex: &ex,
+                vp: vp_const,
+                accp,
+                hd,
+                nc,
+            };
+            let mut j0 = 0;
+            while j0 < nq {
+                match nv {
+                    4 if j0 + 4 <= nq => vupdate::<4, 4>(&st, j0, &mut sum),
+                    8 if j0 + 2 <= nq => vupdate::<8, 2>(&st, j0, &mut sum),
+                    4 => vupdate::<4, 1>(&st, j0, &mut sum),
+                    8 => vupdate::<8, 1>(&st, j0, &mut sum),
+                    _ => vupdate_any(&st, j0, nv, &mut sum),
+                }
+                j0 += match nv {
+                    4 if j0 + 4 <= nq => 4,
+                    8 if j0 + 2 <= nq => 2,
+                    _ => 1,
+                };
+            }
+            c0 += nc;
+        }
+        for (j, gq) in qs.iter_mut().enumerate() {
+            assert_eq!(gq.out.len(), hd);
+            if sum[j] == 0.0 {
+                gq.out.fill(0.0);
+                continue;
+            }
+            let inv = _mm512_set1_ps(1.0 / sum[j]);
+            for i in 0..nv {
+                let a = _mm512_loadu_ps(accp.add(j * hd + 16 * i));
+                _mm512_storeu_ps(gq.out.as_mut_ptr().add(16 * i), _mm512_mul_ps(a, inv));
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_avx2(h: &HeadAttn<'_>, out: &mut [f32]) {
+        let hd = h.q.len();
+        let nv = hd / 8;
+        let mut q = [0f32; 256];
+        let mut acc = [0f32; 256];
+        for i in 0..nv {
+            let x = _mm256_loadu_ps(h.q.as_ptr().add(8 * i));
+            _mm256_storeu_ps(
+                q.as_mut_ptr().add(8 * i),
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(x)),
+            );
+        }
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
+        let (qp, ap) = (q.as_ptr(), acc.as_mut_ptr());
+        for (c, &p) in h.pos.iter().enumerate() {
+            if p > h.max_pos {
+                continue;
+            }
+            let base = c * h.stride + h.offset;
+            assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+            let mut s0 = _mm256_setzero_ps();
+            let mut s1 = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 1 < nv {
+                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
+                let k1 =
+                    _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i + 8) as *const __m128i));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i + 8)), k1, s1);
+                i += 2;
+            }
+            if i < nv {
+                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
+            }
+            let s = hsum(_mm256_add_ps(s0, s1)) * h.scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+                let msv = _mm256_set1_ps(ms);
+                for i in 0..nv {
+                    let a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), msv);
+                    _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(a)));
+                }
+            } else {
+                vs = (s - m).exp();
+            }
+            let vsv = _mm256_set1_ps(vs);
+            for i in 0..nv {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(base + 8 * i) as *const __m128i));
+                let t = _mm256_add_ps(_mm256_loadu_ps(ap.add(8 * i)), _mm256_mul_ps(v, vsv));
+                _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(t)));
+            }
+            sum = sum * ms + vs;
+        }
+        if sum == 0.0 {
+            out.fill(0.0);
+            return;
+        }
+        let inv = _mm256_set1_ps(1.0 / sum);
+        for i in 0..nv {
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(8 * i),
+                _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), inv),
+            );
+        }
+    }
+}
