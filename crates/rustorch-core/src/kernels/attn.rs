@@ -156,9 +156,15 @@ pub fn mad_f16(isa: Isa, y: &mut [u16], x: &[u16], v: f32) {
     if np > 0 {
         // native f16 fused multiply-add: one rounding of the exact value
         let v16 = f16_to_f32(f32_to_f16(v)) as f64;
-        for (a, &b) in y[..np].iter_mut().zip(&x[..np]) {
-            *a = f64_to_f16((f16_to_f32(b) as f64).mul_add(v16, f16_to_f32(*a) as f64));
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+            // SAFETY: the family (which includes FMA) was detected.
+            unsafe { x86::mad_native(&mut y[..np], &x[..np], v16) };
+        } else {
+            mad_native(&mut y[..np], &x[..np], v16);
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        mad_native(&mut y[..np], &x[..np], v16);
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
@@ -169,6 +175,14 @@ pub fn mad_f16(isa: Isa, y: &mut [u16], x: &[u16], v: f32) {
     let _ = isa;
     for (a, &b) in y[np..n].iter_mut().zip(&x[np..n]) {
         *a = f32_to_f16(f16_to_f32(b).mul_add(v, f16_to_f32(*a)));
+    }
+}
+
+/// The native-f16 part of [`mad_f16`]: `y = f16(x · v16 + y)` with one rounding.
+#[inline(always)]
+fn mad_native(y: &mut [u16], x: &[u16], v16: f64) {
+    for (a, &b) in y.iter_mut().zip(x) {
+        *a = f64_to_f16((f16_to_f32(b) as f64).mul_add(v16, f16_to_f32(*a) as f64));
     }
 }
 
@@ -210,6 +224,16 @@ mod x86 {
         let mut out = [0f32; 16];
         _mm512_storeu_ps(out.as_mut_ptr(), r);
         out
+    }
+
+    /// [`super::mad_native`] compiled with FMA (a fused multiply-add instruction instead of
+    /// a library call).
+    ///
+    /// # Safety
+    /// FMA must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mad_native(y: &mut [u16], x: &[u16], v16: f64) {
+        super::mad_native(y, x, v16)
     }
 
     /// `y = f16(fma(x, v, y))` element-wise, 16 at a time.

@@ -449,6 +449,13 @@ pub(crate) mod x86 {
             let mut accm = [_mm256_setzero_ps(); T];
             for b in 0..nb {
                 let off = b * Q4K_BYTES;
+                // the next group's rows, same block: keeps the memory system ahead
+                for row in &rows {
+                    let p = row.wrapping_add(8 * rb + off);
+                    _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(128) as *const i8);
+                }
                 let h: [i32; 8] =
                     core::array::from_fn(|j| (rows[j].add(off) as *const i32).read_unaligned());
                 let hv = _mm256_loadu_si256(h.as_ptr() as *const __m256i);

@@ -160,6 +160,10 @@ pub(crate) unsafe fn tile_q6k<const T: usize>(
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..nb {
             let x = row.add(b * 210);
+            let pf = x.wrapping_add(2 * rb);
+            for l in 0..4 {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l) as *const i8);
+            }
             let dw = f16(rd_u16(x.add(208)));
             // unpacked 6-bit values (unsigned) of the 8 groups of 32, and their scales as
             // 16-bit pairs (first 8 lanes' scale, last 8 lanes' scale)
