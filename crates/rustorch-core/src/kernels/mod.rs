@@ -506,19 +506,20 @@ fn matmul_q4k_ggml(
             while r0 < end {
                 let nr = (end - r0).min(64);
                 let wp = w.data[r0 * rb..(r0 + nr) * rb].as_ptr();
-                for t0 in (0..n_gemm).step_by(4) {
-                    let a: [*const u8; 4] =
-                        std::array::from_fn(|i| acts[(t0 + i) * arb..].as_ptr());
+                for t0 in (0..n_gemm).step_by(16) {
+                    let nt = (n_gemm - t0).min(16);
+                    let a: [*const u8; 16] =
+                        std::array::from_fn(|i| acts[(t0 + i.min(nt - 1)) * arb..].as_ptr());
                     // SAFETY: AVX2+FMA+F16C checked by `isa()`; rows r0..r0+nr and tokens
-                    // t0..t0+4 are in bounds, each (t, r) is written by exactly one task.
+                    // t0..t0+nt are in bounds, each (t, r) is written by exactly one task.
                     unsafe {
-                        q4k_ggml::x86::tile::<true, 4>(
+                        q4k_ggml::x86::tile::<true, 16>(
                             wp,
                             rb,
                             nr,
                             nb,
                             &a,
-                            4,
+                            nt,
                             dst.0.add(t0 * n_rows + r0),
                             n_rows,
                         )

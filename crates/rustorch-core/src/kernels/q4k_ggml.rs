@@ -347,81 +347,105 @@ pub(crate) mod x86 {
         if GEMM {
             let mut t0 = 0;
             while t0 < nt {
-                let n = (nt - t0).min(4);
-                let a: [*const u8; 4] = core::array::from_fn(|i| acts[t0 + i.min(n - 1)]);
-                gemm4(w, rb, nrows, nb, &a, n, out.add(t0 * ostride), ostride);
-                t0 += 4;
+                let mut groups = [[acts[0]; 4]; 4];
+                let mut nts = [0usize; 4];
+                let mut ng = 0;
+                let base = t0;
+                while ng < 4 && t0 < nt {
+                    let n = (nt - t0).min(4);
+                    groups[ng] = core::array::from_fn(|i| acts[t0 + i.min(n - 1)]);
+                    nts[ng] = n;
+                    ng += 1;
+                    t0 += 4;
+                }
+                gemm16(
+                    w,
+                    rb,
+                    nrows,
+                    nb,
+                    &groups[..ng],
+                    &nts[..ng],
+                    out.add(base * ostride),
+                    ostride,
+                );
             }
         } else {
             gemv::<T>(w, rb, nrows, nb, acts, nt, out, ostride);
         }
     }
 
-    /// Gemm order, one weight row at a time; lanes `[acc(t0..t3) | accm(t0..t3)]`.
+    /// Gemm order, one weight row at a time against up to 4 groups of 4 activation rows (each
+    /// weight block is unpacked once for all of them); lanes `[acc(t0..t3) | accm(t0..t3)]`
+    /// per group.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemm4(
+    unsafe fn gemm16(
         w: *const u8,
         rb: usize,
         nrows: usize,
         nb: usize,
-        acts: &[*const u8; 4],
-        nt: usize,
+        groups: &[[*const u8; 4]],
+        nts: &[usize],
         out: *mut f32,
         ostride: usize,
     ) {
+        let ng = groups.len().min(4);
         let perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         let dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         for r in 0..nrows {
             let wr = w.add(r * rb);
-            let mut acc = _mm256_setzero_ps();
+            let mut accs = [_mm256_setzero_ps(); 4];
             for b in 0..nb {
                 let wb = wr.add(b * Q4K_BYTES);
                 let hdr = (wb as *const u32).read_unaligned();
                 // [dw dmw dw dmw ..] -> [dw x4 | dmw x4]
                 let dwm =
                     _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_set1_epi32(hdr as i32)), dup);
-                let a: [*const u8; 4] = core::array::from_fn(|t| acts[t].add(b * Q8K_BYTES));
-                let d4 = _mm_setr_ps(da(a[0]), da(a[1]), da(a[2]), da(a[3]));
-                let ds = _mm256_mul_ps(dwm, _mm256_set_m128(d4, d4));
                 let blk = unpack(wb);
-                let mut rt = [_mm256_setzero_si256(); 4];
-                for (t, rv) in rt.iter_mut().enumerate() {
-                    let at = a[t];
-                    let v: [__m256i; 4] = core::array::from_fn(|p| {
-                        _mm256_add_epi32(sub(&blk, at, 2 * p), sub(&blk, at, 2 * p + 1))
-                    });
-                    // [P0 P1 P2 P3 | P0 P1 P2 P3] (low / high 128-bit partials)
-                    let x = _mm256_hadd_epi32(
-                        _mm256_hadd_epi32(v[0], v[1]),
-                        _mm256_hadd_epi32(v[2], v[3]),
-                    );
-                    // [m0 m2 m4 m6 | m1 m3 m5 m7]
-                    let y = _mm256_permutevar8x32_epi32(mins(&blk, at), perm);
-                    *rv = _mm256_add_epi32(
-                        _mm256_permute2x128_si256(x, y, 0x20),
-                        _mm256_permute2x128_si256(x, y, 0x31),
-                    ); // [P0..P3 | Q0..Q3]
-                }
-                let u0 = _mm256_unpacklo_epi32(rt[0], rt[1]);
-                let u1 = _mm256_unpackhi_epi32(rt[0], rt[1]);
-                let u2 = _mm256_unpacklo_epi32(rt[2], rt[3]);
-                let u3 = _mm256_unpackhi_epi32(rt[2], rt[3]);
-                let f = [
-                    _mm256_unpacklo_epi64(u0, u2),
-                    _mm256_unpackhi_epi64(u0, u2),
-                    _mm256_unpacklo_epi64(u1, u3),
-                    _mm256_unpackhi_epi64(u1, u3),
-                ]; // f[p] = [isum_p(t0..t3) | imin_p(t0..t3)]
-                for fp in f {
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fp), ds, acc);
+                for (acts, acc) in groups.iter().zip(accs.iter_mut()).take(ng) {
+                    let a: [*const u8; 4] = core::array::from_fn(|t| acts[t].add(b * Q8K_BYTES));
+                    let d4 = _mm_setr_ps(da(a[0]), da(a[1]), da(a[2]), da(a[3]));
+                    let ds = _mm256_mul_ps(dwm, _mm256_set_m128(d4, d4));
+                    let mut rt = [_mm256_setzero_si256(); 4];
+                    for (t, rv) in rt.iter_mut().enumerate() {
+                        let at = a[t];
+                        let v: [__m256i; 4] = core::array::from_fn(|p| {
+                            _mm256_add_epi32(sub(&blk, at, 2 * p), sub(&blk, at, 2 * p + 1))
+                        });
+                        // [P0 P1 P2 P3 | P0 P1 P2 P3] (low / high 128-bit partials)
+                        let x = _mm256_hadd_epi32(
+                            _mm256_hadd_epi32(v[0], v[1]),
+                            _mm256_hadd_epi32(v[2], v[3]),
+                        );
+                        // [m0 m2 m4 m6 | m1 m3 m5 m7]
+                        let y = _mm256_permutevar8x32_epi32(mins(&blk, at), perm);
+                        *rv = _mm256_add_epi32(
+                            _mm256_permute2x128_si256(x, y, 0x20),
+                            _mm256_permute2x128_si256(x, y, 0x31),
+                        ); // [P0..P3 | Q0..Q3]
+                    }
+                    let u0 = _mm256_unpacklo_epi32(rt[0], rt[1]);
+                    let u1 = _mm256_unpackhi_epi32(rt[0], rt[1]);
+                    let u2 = _mm256_unpacklo_epi32(rt[2], rt[3]);
+                    let u3 = _mm256_unpackhi_epi32(rt[2], rt[3]);
+                    let f = [
+                        _mm256_unpacklo_epi64(u0, u2),
+                        _mm256_unpackhi_epi64(u0, u2),
+                        _mm256_unpacklo_epi64(u1, u3),
+                        _mm256_unpackhi_epi64(u1, u3),
+                    ]; // f[p] = [isum_p(t0..t3) | imin_p(t0..t3)]
+                    for fp in f {
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fp), ds, *acc);
+                    }
                 }
             }
-            let res = _mm_sub_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            let mut o = [0f32; 4];
-            _mm_storeu_ps(o.as_mut_ptr(), res);
-            for (t, &v) in o.iter().enumerate().take(nt) {
-                *out.add(t * ostride + r) = v;
+            for (g, acc) in accs.iter().enumerate().take(ng) {
+                let res = _mm_sub_ps(_mm256_castps256_ps128(*acc), _mm256_extractf128_ps(*acc, 1));
+                let mut o = [0f32; 4];
+                _mm_storeu_ps(o.as_mut_ptr(), res);
+                for (t, &v) in o.iter().enumerate().take(nts[g]) {
+                    *out.add((4 * g + t) * ostride + r) = v;
+                }
             }
         }
     }
