@@ -491,6 +491,11 @@ fn matmul_q4k_ggml(
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && n_gemm > 0 {
+        x86_q4k_panels(pool, w, &acts, n_tok, n_gemm, out);
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
     if matches!(isa(), Isa::Avx2 | Isa::Avx512) {
         // Rows in groups of 8 over the pool; inside a task, blocks of 64 rows (L2-sized)
         // against all tokens: tiles of 4 gemm rows, then the gemv rows one by one.
@@ -566,6 +571,81 @@ fn matmul_q4k_ggml(
         }
     });
     Ok(())
+}
+
+/// [`matmul_q4k_ggml`] for prompt batches on AVX-512: each 16-row weight panel is unpacked
+/// once (`x86::pack_panel`) and multiplied with tiles of 4 activation rows, rows in the
+/// lanes (`avx512::gemm_q4k_exact`), the gemm rows and the gemv rows each in their order.
+#[cfg(target_arch = "x86_64")]
+fn x86_q4k_panels(
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    acts: &[u8],
+    n_tok: usize,
+    n_gemm: usize,
+    out: &mut [f32],
+) {
+    let n_rows = w.n_rows;
+    let nb = w.n_cols / 256;
+    let arb = nb * GgmlType::Q8_K.type_size();
+    let ds: Vec<f32> = acts
+        .chunks_exact(GgmlType::Q8_K.type_size())
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let rb = w.row_bytes();
+    let pbytes = nb * fmt::panel_block_bytes(fmt::Q4_K);
+    let n_panels = n_rows.div_ceil(fmt::PANEL);
+    let dst = SendPtr(out.as_mut_ptr());
+    let act = |t: usize| ActRow {
+        q: acts[t * arb..].as_ptr(),
+        d: ds[t * nb..].as_ptr(),
+        s: std::ptr::null(),
+        isum: std::ptr::null(),
+    };
+    pool.run(n_panels, &|p| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        let base = w.data.as_ptr();
+        PANEL_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < pbytes {
+                buf.resize(pbytes, 0);
+            }
+            let r0 = p * fmt::PANEL;
+            let nvalid = (n_rows - r0).min(fmt::PANEL);
+            let rows: [*const u8; fmt::PANEL] =
+                std::array::from_fn(|i| base.wrapping_add((r0 + i).min(n_rows - 1) * rb));
+            // SAFETY: AVX-512 was detected; rows exist; the panel buffer holds `pbytes`; a
+            // tile writes outputs (t, r0..r0+nvalid) of its own valid tokens only.
+            unsafe {
+                x86::pack_panel::<{ fmt::Q4_K }>(&rows, nb, true, buf.as_mut_ptr());
+                let mut t0 = 0;
+                while t0 < n_tok {
+                    let (end, gemm) = if t0 < n_gemm {
+                        (n_gemm, true)
+                    } else {
+                        (n_tok, false)
+                    };
+                    let nt = (end - t0).min(4);
+                    let tile = fmt::Tile {
+                        a: act(t0),
+                        row_bytes: arb,
+                        nb,
+                        nt,
+                        out: dst.0.add(t0 * n_rows + r0),
+                        ostride: n_rows,
+                    };
+                    if gemm {
+                        x86::avx512::gemm_q4k_exact::<4, true>(buf.as_ptr(), nb, tile, nvalid);
+                    } else {
+                        x86::avx512::gemm_q4k_exact::<4, false>(buf.as_ptr(), nb, tile, nvalid);
+                    }
+                    t0 += nt;
+                }
+            }
+        });
+    });
 }
 
 /// Q6_K weights against 8 or more activation rows, as llama.cpp's tiled K-quant kernel

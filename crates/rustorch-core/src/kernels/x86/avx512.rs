@@ -320,3 +320,73 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
         _mm512_mask_storeu_ps(tile.out.add(t * tile.ostride), m, *acc);
     }
 }
+
+/// Q4_K panel (16 rows, packed by `x86::pack_panel`) against up to `T` Q8_K activation rows
+/// with the float steps of llama.cpp's repacked Q4_K kernels (see `kernels::q4k_ggml`): with
+/// `GEMM`, per super-block and sub-block pair `p`, `acc = fma(f32(sc·dot over the pair),
+/// dw·da, acc)` and `accm = fma(f32(m·bsums over the pair), dmin·da, accm)`; without
+/// (the gemv rows), the same once per super-block over all sub-blocks; then `acc - accm`.
+/// Lanes are the 16 weight rows, so every lane performs exactly the scalar sequence.
+///
+/// # Safety
+/// As [`gemm_k`]; the activations' `d` side array must hold each block's Q8_K scale.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn gemm_q4k_exact<const T: usize, const GEMM: bool>(
+    panel: *const u8,
+    nb: usize,
+    tile: Tile,
+    nvalid: usize,
+) {
+    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
+    let pbb = panel_block_bytes(Q4_K);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); T];
+    let mut accm = [_mm512_setzero_ps(); T];
+    for sb in 0..nb {
+        let pb = panel.add(sb * pbb);
+        let ao = sb * 292;
+        let d = _mm512_loadu_ps(pb.add(5120) as *const f32);
+        let dmin = _mm512_loadu_ps(pb.add(5184) as *const f32);
+        let (pairs, per) = if GEMM { (4, 2) } else { (1, 8) };
+        for p in 0..pairs {
+            let mut isum = [zero; T];
+            let mut imin = [zero; T];
+            for g in p * per..(p + 1) * per {
+                let mut s = [zero; T];
+                for qq in 0..8 {
+                    let q = g * 8 + qq;
+                    let wv = _mm512_loadu_si512(pb.add(64 * q) as *const __m512i);
+                    for t in 0..T {
+                        let av = _mm512_set1_epi32(rd_i32(a[t].q.add(ao + 4 + 4 * q)));
+                        s[t] = _mm512_dpbusd_epi32(s[t], wv, av);
+                    }
+                }
+                let scv = _mm512_loadu_si512(pb.add(4096 + 64 * g) as *const __m512i);
+                let mv = _mm512_loadu_si512(pb.add(4608 + 64 * g) as *const __m512i);
+                for t in 0..T {
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t], scv));
+                    let bv = _mm512_set1_epi32(rd_i32(a[t].q.add(ao + 260 + 4 * g)));
+                    imin[t] = _mm512_dpwssd_epi32(imin[t], mv, bv);
+                }
+            }
+            for t in 0..T {
+                let yd = _mm512_set1_ps(*a[t].d.add(sb));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, yd), acc[t]);
+                accm[t] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(imin[t]),
+                    _mm512_mul_ps(dmin, yd),
+                    accm[t],
+                );
+            }
+        }
+    }
+    let m: __mmask16 = if nvalid >= 16 {
+        0xffff
+    } else {
+        (1u16 << nvalid) - 1
+    };
+    for t in 0..tile.nt.min(T) {
+        let r = _mm512_sub_ps(acc[t], accm[t]);
+        _mm512_mask_storeu_ps(tile.out.add(t * tile.ostride), m, r);
+    }
+}
