@@ -457,6 +457,45 @@ fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out:
     });
 }
 
+/// Encodes the `x.len() / n_cols` activation rows into `out` (`arb` bytes each) with
+/// `enc(row index, row, bytes)`, rows split over the pool when there are several.
+fn quantize_rows_par(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_cols: usize,
+    out: &mut [u8],
+    arb: usize,
+    enc: &(dyn Fn(usize, &[f32], &mut [u8]) + Sync),
+) {
+    let n_tok = x.len() / n_cols;
+    if n_tok < 4 {
+        for (t, (xr, ar)) in x
+            .chunks_exact(n_cols)
+            .zip(out.chunks_exact_mut(arb))
+            .enumerate()
+        {
+            enc(t, xr, ar);
+        }
+        return;
+    }
+    #[derive(Clone, Copy)]
+    struct SendU8(*mut u8);
+    unsafe impl Send for SendU8 {}
+    unsafe impl Sync for SendU8 {}
+    let dst = SendU8(out.as_mut_ptr());
+    let (n_tasks, per) = split(pool, n_tok, 1);
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        for t in task * per..((task + 1) * per).min(n_tok) {
+            // SAFETY: each task writes its own rows of `out`.
+            let ar = unsafe { std::slice::from_raw_parts_mut(dst.0.add(t * arb), arb) };
+            enc(t, &x[t * n_cols..(t + 1) * n_cols], ar);
+        }
+    });
+}
+
 /// Whether llama.cpp's CPU backend multiplies these weights through its repacked Q4_K
 /// kernels (x86 with AVX2, row count a multiple of 8), whose arithmetic `q4k_ggml` emulates.
 fn q4k_repacked(w: &QMatrix<'_>) -> bool {
@@ -477,17 +516,13 @@ fn matmul_q4k_ggml(
     let n_gemm = n_tok - n_tok % 4;
     let arb = n_cols / 256 * GgmlType::Q8_K.type_size();
     let mut acts = vec![0u8; n_tok * arb];
-    for (t, (xr, ar)) in x
-        .chunks_exact(n_cols)
-        .zip(acts.chunks_exact_mut(arb))
-        .enumerate()
-    {
+    quantize_rows_par(pool, x, n_cols, &mut acts, arb, &|t, xr, ar| {
         if t < n_gemm {
-            q4k_ggml::quantize_row_q8k_4x8_ggml(xr, ar);
+            q4k_ggml::quantize_row_q8k_4x8(xr, ar);
         } else {
-            quant::quantize(GgmlType::Q8_K, xr, ar)?;
+            let _ = quant::quantize(GgmlType::Q8_K, xr, ar);
         }
-    }
+    });
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
@@ -660,9 +695,9 @@ fn matmul_q6k_tiled(
     let n_tok = x.len() / n_cols;
     let arb = n_cols / 256 * GgmlType::Q8_K.type_size();
     let mut acts = vec![0u8; n_tok * arb];
-    for (xr, ar) in x.chunks_exact(n_cols).zip(acts.chunks_exact_mut(arb)) {
-        quant::quantize(GgmlType::Q8_K, xr, ar)?;
-    }
+    quantize_rows_par(pool, x, n_cols, &mut acts, arb, &|_, xr, ar| {
+        let _ = quant::quantize(GgmlType::Q8_K, xr, ar);
+    });
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_rows, 16);
