@@ -850,9 +850,18 @@ type TileFn = unsafe fn(*const u8, usize, usize, usize, &[ActRow; 4], usize, *mu
 /// Legacy formats and Q6_K: tiles of 4 activation rows against groups of weight rows, with
 /// ggml's per-element float steps (`x86::lanes`).
 #[cfg(target_arch = "x86_64")]
-fn x86_gemm_lanes(pool: &ThreadPool, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+fn x86_gemm_lanes(
+    pool: &ThreadPool,
+    isa: Isa,
+    f: u8,
+    w: &QMatrix<'_>,
+    qa: &QActs,
+    out: &mut [f32],
+) {
     let kern: TileFn = if f == fmt::Q6_K {
         x86::lanes::tile_q6k::<4>
+    } else if isa == Isa::Avx512 && f != fmt::IQ4_NL {
+        with_fmt!(f, F => x86::lanes::tile512::<F, 4> as TileFn)
     } else {
         with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn)
     };
@@ -895,7 +904,7 @@ fn x86_gemm_lanes(pool: &ThreadPool, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &m
 #[cfg(target_arch = "x86_64")]
 fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
     if !fmt::is_k(f) || f == fmt::Q6_K {
-        x86_gemm_lanes(pool, f, w, qa, out);
+        x86_gemm_lanes(pool, isa, f, w, qa, out);
         return;
     }
     let pack: PackFn = with_fmt!(f, F => x86::pack_panel::<F> as PackFn);

@@ -339,3 +339,99 @@ pub(crate) unsafe fn gemv512<const F: u8>(
         r0 += 4;
     }
 }
+
+/// [`tile`] on AVX-512: two weight rows per 512-bit register against up to `T` activation
+/// rows; each weight block is unpacked once for all of them, the row scales are gathered 16
+/// blocks at a time, and every lane performs the scalar float sequence (`dw * da` rounded,
+/// one FMA per block, `hsum_float_8`, Q4_1/Q5_1 `summs` by FMA). Not for IQ4_NL.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI/DQ must be available; pointers must cover the stated sizes.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    acts: &[ActRow; T],
+    nt: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
+    let bs = block_bytes(F);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let offs = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(bs as i32),
+    );
+    let zero = _mm512_setzero_si512();
+    let nt = nt.min(T);
+    let mut r0 = 0;
+    while r0 < nrows {
+        let rows = [w.add(r0 * rb), w.add((r0 + 1).min(nrows - 1) * rb)];
+        let mut acc = [_mm512_setzero_ps(); T];
+        let mut summs = [[0f32; T]; 2];
+        let mut c = 0;
+        while c < nb {
+            let n16 = (nb - c).min(16);
+            let k: __mmask16 = if n16 == 16 { 0xffff } else { (1u16 << n16) - 1 };
+            let mut dv = [_mm512_setzero_ps(); 2];
+            let mut mw = [[0f32; 16]; 2];
+            for (i, row) in rows.iter().enumerate() {
+                let g =
+                    _mm512_mask_i32gather_epi32::<1>(zero, k, offs, row.add(c * bs) as *const i32);
+                dv[i] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                if has_min(F) {
+                    let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
+                    _mm512_storeu_ps(mw[i].as_mut_ptr(), m);
+                }
+            }
+            let mut idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+            for j in 0..n16 {
+                let b = c + j;
+                let (p0, p1) = (rows[0].add(b * bs), rows[1].add(b * bs));
+                let x = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(values::<F>(p0)),
+                    values::<F>(p1),
+                );
+                let neg = _mm512_movepi8_mask(x);
+                let ux = if has_min(F) { x } else { _mm512_abs_epi8(x) };
+                let dwv = _mm512_permutex2var_ps(dv[0], idx, dv[1]);
+                for t in 0..T {
+                    if t >= nt {
+                        break;
+                    }
+                    let a = acts[t];
+                    let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        a.q.add(b * abs + aqo) as *const __m256i
+                    ));
+                    let sy = if has_min(F) {
+                        y
+                    } else {
+                        _mm512_mask_sub_epi8(y, neg, zero, y)
+                    };
+                    let l = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, ux, sy));
+                    let sc = _mm512_mul_ps(dwv, _mm512_set1_ps(*a.d.add(b)));
+                    acc[t] = _mm512_fmadd_ps(sc, l, acc[t]);
+                    if has_min(F) {
+                        let sa = *a.s.add(b);
+                        summs[0][t] = mw[0][j].mul_add(sa, summs[0][t]);
+                        summs[1][t] = mw[1][j].mul_add(sa, summs[1][t]);
+                    }
+                }
+                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
+            }
+            c += n16;
+        }
+        for t in 0..nt {
+            let v = acc[t];
+            *out.add(t * ostride + r0) = hsum_float_8(_mm512_castps512_ps256(v)) + summs[0][t];
+            if r0 + 1 < nrows {
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                *out.add(t * ostride + r0 + 1) = hsum_float_8(hi) + summs[1][t];
+            }
+        }
+        r0 += 2;
+    }
+}
