@@ -457,6 +457,9 @@ fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out:
     });
 }
 
+/// Encodes one activation row: `(row index, values, output bytes)`.
+type RowEncoder<'a> = dyn Fn(usize, &[f32], &mut [u8]) + Sync + 'a;
+
 /// Encodes the `x.len() / n_cols` activation rows into `out` (`arb` bytes each) with
 /// `enc(row index, row, bytes)`, rows split over the pool when there are several.
 fn quantize_rows_par(
@@ -465,7 +468,7 @@ fn quantize_rows_par(
     n_cols: usize,
     out: &mut [u8],
     arb: usize,
-    enc: &(dyn Fn(usize, &[f32], &mut [u8]) + Sync),
+    enc: &RowEncoder<'_>,
 ) {
     let n_tok = x.len() / n_cols;
     if n_tok < 4 {

@@ -474,8 +474,11 @@ fn attention(
                 });
             }
         }
-        // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on
-        if n >= 64 {
+        // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on; we
+        // count the rows of this sequence only, so that a request's output does not depend
+        // on what else shares the batch (for one sequence this is llama.cpp's rule)
+        let seq = batch.seq_ids[t0];
+        if batch.seq_ids.iter().filter(|&&s| s == seq).count() >= 64 {
             attn_long::attend_group(isa, &kv, &mut queries);
         } else {
             attn::attend_group(isa, &kv, &mut queries);
