@@ -217,8 +217,18 @@ fn parity_qwen05() {
 }
 
 #[test]
+fn parity_qwen05_one_thread() {
+    run_model("qwen05", 1);
+}
+
+#[test]
 fn parity_qwen15() {
     run_model("qwen15", 2);
+}
+
+#[test]
+fn parity_qwen15_one_thread() {
+    run_model("qwen15", 1);
 }
 
 /// The slow scalar f32 path (dequantize + naive matmul, unquantized activations) and the
