@@ -848,7 +848,8 @@ type Gemm512Fn = unsafe fn(*const u8, usize, fmt::Tile, usize);
 type Gemm2Fn = unsafe fn(*const u8, usize, usize, fmt::Tile, usize);
 
 #[cfg(target_arch = "x86_64")]
-type TileFn = unsafe fn(*const u8, usize, usize, usize, &[ActRow; 4], usize, *mut f32, usize);
+type TileFn<const T: usize> =
+    unsafe fn(*const u8, usize, usize, usize, &[ActRow; T], usize, *mut f32, usize);
 
 /// Legacy formats and Q6_K: tiles of 4 activation rows against groups of weight rows, with
 /// ggml's per-element float steps (`x86::lanes`).
@@ -861,13 +862,28 @@ fn x86_gemm_lanes(
     qa: &QActs,
     out: &mut [f32],
 ) {
-    let kern: TileFn = if f == fmt::Q6_K {
-        x86::lanes::tile_q6k::<4>
+    if f == fmt::Q6_K {
+        run_tiles::<4>(pool, x86::lanes::tile_q6k::<4>, f, w, qa, out);
     } else if isa == Isa::Avx512 && f != fmt::IQ4_NL {
-        with_fmt!(f, F => x86::lanes::tile512::<F, 4> as TileFn)
+        let kern: TileFn<8> = with_fmt!(f, F => x86::lanes::tile512::<F, 8> as TileFn<8>);
+        run_tiles::<8>(pool, kern, f, w, qa, out);
     } else {
-        with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn)
-    };
+        let kern: TileFn<4> = with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn<4>);
+        run_tiles::<4>(pool, kern, f, w, qa, out);
+    }
+}
+
+/// Runs `kern` over groups of 16 weight rows (split over the pool) and tiles of `T`
+/// activation rows.
+#[cfg(target_arch = "x86_64")]
+fn run_tiles<const T: usize>(
+    pool: &ThreadPool,
+    kern: TileFn<T>,
+    f: u8,
+    w: &QMatrix<'_>,
+    qa: &QActs,
+    out: &mut [f32],
+) {
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
@@ -883,9 +899,9 @@ fn x86_gemm_lanes(
         for g in task * per..((task + 1) * per).min(groups) {
             let r0 = 16 * g;
             let nr = (n_rows - r0).min(16);
-            for t0 in (0..n_tok).step_by(4) {
-                let nt = (n_tok - t0).min(4);
-                let acts: [ActRow; 4] = std::array::from_fn(|i| act_row(qa, t0 + i.min(nt - 1)));
+            for t0 in (0..n_tok).step_by(T) {
+                let nt = (n_tok - t0).min(T);
+                let acts: [ActRow; T] = std::array::from_fn(|i| act_row(qa, t0 + i.min(nt - 1)));
                 // SAFETY: rows r0..r0+nr exist; outputs (t0..t0+nt, r0..r0+nr) belong to this task.
                 unsafe {
                     kern(
