@@ -1,17 +1,15 @@
 //! CPU kernels: quantized matrix multiplication and the element-wise operations of a
 //! transformer layer.
 //!
-//! [`matmul`] quantizes the activation rows once (to the weight type's vec-dot type, SIMD,
-//! same bytes as the reference quantizer), then either
-//! * runs a GEMV (few activation rows: weights are decoded on the fly from the file's blocks,
-//!   8 rows at a time), or
-//! * runs a tiled GEMM (many rows: each 16-row weight panel is unpacked once to one byte per
-//!   value and multiplied with 8 (AVX-512) or 4 (AVX2) activation rows per register tile).
-//!
-//! Both compute every output with the same integer block sums and the same float steps as the
-//! scalar reference in `dot.rs`, so results do not depend on the path, the batch size, the
-//! thread count or the instruction set (F16/F32 weights: summation order may differ from the
-//! reference, but not between paths).
+//! Every product follows the float order of llama.cpp's CPU backend for the same weight
+//! format and batch size (the parity tests compare logits bit for bit): activations are
+//! encoded as ggml-cpu encodes them (`qact`), legacy formats and Q6_K (under 8 rows) use
+//! ggml's 8-lane order (`x86::lanes`, scalar reference `dot.rs`), Q4_K follows llama.cpp's
+//! repacked gemm/gemv kernels (`q4k_ggml`, prompt batches on packed panels in
+//! `x86::avx512::gemm_q4k_exact`), Q6_K batches of 8+ rows its tiled kernel (`q6k_tiled`).
+//! [`matmul_scalar`] is the scalar statement of all of it; the SIMD paths are tested
+//! against it bit for bit. A GEMV serves single rows; from [`GEMM_MIN_TOKENS`] rows on,
+//! tiles share each unpacked weight block between several activation rows.
 
 pub mod attn;
 pub mod attn_long;
@@ -149,8 +147,9 @@ pub enum MatmulPath {
     Gemm,
 }
 
-/// From this many activation rows on, [`MatmulPath::Auto`] packs weight panels.
-pub const GEMM_MIN_TOKENS: usize = 6;
+/// From this many activation rows on, [`MatmulPath::Auto`] multiplies tiles of activation
+/// rows (each weight block unpacked once for the tile) instead of one row at a time.
+pub const GEMM_MIN_TOKENS: usize = 2;
 
 /// `out[t][r] = dot(w[r], x[t])` for `n_tok = x.len() / w.n_cols` activation rows:
 /// activations are quantized once to the weight's vec-dot type (into `qa`), then output rows
