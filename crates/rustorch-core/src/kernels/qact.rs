@@ -238,7 +238,7 @@ fn block_meta(ty: GgmlType, b: &[u8]) -> (f32, f32, i32) {
 }
 
 /// Encodes `x` (whole blocks of Q8_0, Q8_1 or Q8_K) as ggml's CPU backend encodes
-/// activations, one block at a time with the scalar code of [`quantize_block_scalar`] (the
+/// activations, one block at a time with the scalar code of `quantize_block_scalar` (the
 /// reference the SIMD encoders are tested against).
 pub fn quantize_scalar(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
@@ -255,7 +255,7 @@ pub fn quantize_scalar(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), Qu
 }
 
 /// Encodes `x` (whole blocks) as `ty` with the fastest available code; the bytes equal
-/// [`quantize_block_scalar`]'s (ggml-cpu's activation encoding). Exposed for tests and
+/// `quantize_block_scalar`'s (ggml-cpu's activation encoding). Exposed for tests and
 /// benchmarks.
 pub fn quantize_simd(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
     let bs = ty.block_size();
