@@ -1,11 +1,9 @@
 //! Weight formats with SIMD kernels, as small integer ids usable as const generics, and
 //! their block layouts as seen by the kernels.
 //!
-//! Every SIMD kernel computes, per output, exactly the float operations of the scalar
-//! reference in `dot.rs`: the integer dot product of each block (exact, in any order), then
-//! the same multiplications and additions in the same order, block after block. So the
-//! scalar reference, the AVX2 and AVX-512 GEMV, and the tiled GEMM give bit-identical
-//! results for the quantized formats, whatever the batch size or thread count.
+//! Every SIMD kernel computes, per output, exactly the float operations of its scalar
+//! reference (`kernels::matmul_scalar`): integer partial sums are exact in any order, the
+//! float steps are the same operations in the same order.
 
 // Only the x86-64 kernels read these layouts so far.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -21,14 +19,6 @@ pub(crate) const IQ4_NL: u8 = 5;
 pub(crate) const Q4_K: u8 = 6;
 pub(crate) const Q5_K: u8 = 7;
 pub(crate) const Q6_K: u8 = 8;
-
-/// How a 32-block's integer sum becomes a float term, following each scalar reference:
-/// `(sumi * dw) * da` (Q4_0, Q5_0).
-pub(crate) const KIND_A: u8 = 0;
-/// `sumi * (dw * da)` (Q8_0, IQ4_NL: `(dw * da) * sumi` is the same product).
-pub(crate) const KIND_B: u8 = 1;
-/// `(dw * da) * sumi + mw * sa` (Q4_1, Q5_1).
-pub(crate) const KIND_C: u8 = 2;
 
 pub(crate) fn from_type(ty: GgmlType) -> Option<u8> {
     Some(match ty {
@@ -97,14 +87,6 @@ pub(crate) const fn offset(f: u8) -> i32 {
 
 pub(crate) const fn has_min(f: u8) -> bool {
     matches!(f, Q4_1 | Q5_1)
-}
-
-pub(crate) const fn kind(f: u8) -> u8 {
-    match f {
-        Q4_0 | Q5_0 => KIND_A,
-        Q4_1 | Q5_1 => KIND_C,
-        _ => KIND_B,
-    }
 }
 
 /// Bytes per activation block (Q8_0 34, Q8_1 36, Q8_K 292).

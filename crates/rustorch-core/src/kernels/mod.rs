@@ -925,17 +925,20 @@ fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
         x86_gemm_lanes(pool, isa, f, w, qa, out);
         return;
     }
-    let pack: PackFn = with_fmt!(f, F => x86::pack_panel::<F> as PackFn);
-    let k512: Gemm512Fn = with_fmt!(f, F => if fmt::is_k(F) {
-        x86::avx512::gemm_k::<F, 8> as Gemm512Fn
+    // what is left for the packed K-quant GEMM: Q4_K that llama.cpp does not repack, and Q5_K
+    let (pack, k512, k2): (PackFn, Gemm512Fn, Gemm2Fn) = if f == fmt::Q4_K {
+        (
+            x86::pack_panel::<{ fmt::Q4_K }>,
+            x86::avx512::gemm_k::<{ fmt::Q4_K }, 8>,
+            x86::avx2::gemm_k::<{ fmt::Q4_K }, 4>,
+        )
     } else {
-        x86::avx512::gemm_legacy::<F, 8>
-    });
-    let k2: Gemm2Fn = with_fmt!(f, F => if fmt::is_k(F) {
-        x86::avx2::gemm_k::<F, 4> as Gemm2Fn
-    } else {
-        x86::avx2::gemm_legacy::<F, 4>
-    });
+        (
+            x86::pack_panel::<{ fmt::Q5_K }>,
+            x86::avx512::gemm_k::<{ fmt::Q5_K }, 8>,
+            x86::avx2::gemm_k::<{ fmt::Q5_K }, 4>,
+        )
+    };
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();

@@ -181,26 +181,26 @@ pub(crate) fn dot_q4k_gemm_ggml(w_row: &[u8], a_row: &[u8]) -> f32 {
     acc - accm
 }
 
-/// Quantizes one row (whole super-blocks) to Q8_K bytes exactly as
-/// `ggml_quantize_mat_q8_K_4x8` does for each of its 4 rows (x86 AVX2/AVX-512 build), in the
-/// plain `block_q8_K` layout (f32 d, 256 i8, 16 i16 bsums). Differs from
-/// `quantize_row_q8_K_ref` only in the sign choice on ±amax ties (module docs).
 /// [`quantize_row_q8k_4x8_ggml`] compiled for the CPU's vector rounding where available
 /// (otherwise `round_ties_even` is a library call).
 pub(crate) fn quantize_row_q8k_4x8(x: &[f32], out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx512) {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn fast(x: &[f32], out: &mut [u8]) {
             quantize_row_q8k_4x8_ggml(x, out)
         }
-        // SAFETY: the features were detected.
+        // SAFETY: the family (AVX2, FMA, F16C) was detected.
         unsafe { fast(x, out) };
         return;
     }
     quantize_row_q8k_4x8_ggml(x, out)
 }
 
+/// Quantizes one row (whole super-blocks) to Q8_K bytes exactly as
+/// `ggml_quantize_mat_q8_K_4x8` does for each of its 4 rows (x86 AVX2/AVX-512 build), in the
+/// plain `block_q8_K` layout (f32 d, 256 i8, 16 i16 bsums). Differs from
+/// `quantize_row_q8_K_ref` only in the sign choice on ±amax ties (module docs).
 #[inline]
 pub(crate) fn quantize_row_q8k_4x8_ggml(x: &[f32], out: &mut [u8]) {
     let nb = x.len() / QK_K;
@@ -684,9 +684,7 @@ mod simd_tests {
     use crate::types::GgmlType;
 
     fn has_avx2() -> bool {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
+        crate::kernels::Isa::available().contains(&crate::kernels::Isa::Avx2)
     }
 
     struct Rng(u64);

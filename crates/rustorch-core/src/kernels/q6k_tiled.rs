@@ -656,18 +656,12 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     fn has_avx2() -> bool {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
+        crate::kernels::Isa::available().contains(&crate::kernels::Isa::Avx2)
     }
 
     #[cfg(target_arch = "x86_64")]
     fn has_avx512() -> bool {
-        has_avx2()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni")
+        crate::kernels::Isa::available().contains(&crate::kernels::Isa::Avx512)
     }
 
     #[test]

@@ -1,9 +1,7 @@
 //! AVX2 (+FMA, F16C) kernels: the same algorithms as `avx512.rs` on 8-lane vectors.
 //!
 //! `vpmaddubsw` + `vpmaddwd` stand in for `vpdpbusd`. Their 16-bit intermediate saturates
-//! only if both bytes of a pair are extreme; unsigned values stay below 64 here, and signed
-//! formats (Q8_0, IQ4_NL) use the sign trick (`|w| · sign(a, w)`), exact for activation
-//! quants in `-127..=127` (which every Q8 quantizer produces).
+//! only if both bytes of a pair are extreme; the unsigned K-quant values stay below 64.
 
 use std::arch::x86_64::*;
 
@@ -44,7 +42,7 @@ unsafe fn k4_scales(p: *const u8) -> [u8; 16] {
 /// `out[r] = dot(row r, a)` for `nrows` rows of K-quant format `F`.
 ///
 /// # Safety
-/// As [`gemv_legacy`].
+/// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn gemv_k<const F: u8>(
     w: *const u8,
@@ -182,77 +180,11 @@ unsafe fn store_rows(out: *mut f32, v: __m256, nvalid: usize) {
     }
 }
 
-/// One GEMM tile: rows `8 * half .. 8 * half + 8` of a packed 16-row panel (legacy format
-/// `F`, signed formats kept signed) times `T` activation rows.
-///
-/// # Safety
-/// As [`gemv_legacy`]; `panel` holds `nb * panel_block_bytes(F)` bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
-    panel: *const u8,
-    half: usize,
-    nb: usize,
-    tile: Tile,
-    nvalid: usize,
-) {
-    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
-    let pbb = panel_block_bytes(F);
-    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
-    let ho = 32 * half;
-    let ones = _mm256_set1_epi16(1);
-    let mut accf = [_mm256_setzero_ps(); T];
-    for b in 0..nb {
-        let pb = panel.add(b * pbb);
-        let mut acci = [_mm256_setzero_si256(); T];
-        for q in 0..8 {
-            let wv = _mm256_loadu_si256(pb.add(64 * q + ho) as *const __m256i);
-            if signed(F) {
-                let wa = _mm256_abs_epi8(wv);
-                for t in 0..T {
-                    let av = _mm256_set1_epi32(rd_i32(a[t].q.add(b * abs + aqo + 4 * q)));
-                    let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(av, wv));
-                    acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(p, ones));
-                }
-            } else {
-                for t in 0..T {
-                    let av = _mm256_set1_epi32(rd_i32(a[t].q.add(b * abs + aqo + 4 * q)));
-                    let p = _mm256_maddubs_epi16(wv, av);
-                    acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(p, ones));
-                }
-            }
-        }
-        let dw = _mm256_loadu_ps(pb.add(512 + ho) as *const f32);
-        for t in 0..T {
-            let mut si = acci[t];
-            if offset(F) != 0 {
-                si = _mm256_sub_epi32(si, _mm256_set1_epi32(offset(F) * *a[t].isum.add(b)));
-            }
-            let sf = _mm256_cvtepi32_ps(si);
-            let da = _mm256_set1_ps(*a[t].d.add(b));
-            let term = match kind(F) {
-                KIND_A => _mm256_mul_ps(_mm256_mul_ps(sf, dw), da),
-                KIND_B => _mm256_mul_ps(sf, _mm256_mul_ps(dw, da)),
-                _ => {
-                    let mw = _mm256_loadu_ps(pb.add(576 + ho) as *const f32);
-                    let sa = _mm256_set1_ps(*a[t].s.add(b));
-                    _mm256_add_ps(
-                        _mm256_mul_ps(_mm256_mul_ps(dw, da), sf),
-                        _mm256_mul_ps(mw, sa),
-                    )
-                }
-            };
-            accf[t] = _mm256_add_ps(accf[t], term);
-        }
-    }
-    for (t, acc) in accf.iter().enumerate().take(tile.nt.min(T)) {
-        store_rows(tile.out.add(t * tile.ostride), *acc, nvalid);
-    }
-}
-
 /// One GEMM tile for the K-quants (8 rows of a packed panel).
 ///
 /// # Safety
-/// As [`gemm_legacy`].
+/// The kernel families' CPU features must be available; `panel` holds
+/// `nb * panel_block_bytes(F)` bytes; the tile's pointers cover its rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
     panel: *const u8,

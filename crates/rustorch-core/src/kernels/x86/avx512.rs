@@ -3,27 +3,15 @@
 //! * GEMV for Q4_K/Q5_K (one activation row against up to 8 weight rows), row by row
 //!   (`vpmaddubsw` + `vpdpwssd` with the sub-block scales, one reduction per super-block).
 //!   Legacy formats and Q6_K use `x86::lanes` instead, which follows ggml's float order.
-//! * GEMM: 16-row panels packed by `x86::pack_panel` (one byte per value, `[quad][row][4]`)
-//!   against 8 activation rows at a time: every `vpdpbusd` is one 4-byte activation broadcast
-//!   times 16 rows, lanes are rows, so no horizontal sums at all.
-//!
-//! Values that are signed (Q8_0, IQ4_NL) are biased by +128 so that `vpdpbusd`'s unsigned
-//! operand can take them; the bias is removed exactly with the activation block's quant sum.
+//! * GEMM for Q4_K/Q5_K: 16-row panels packed by `x86::pack_panel` (one byte per value,
+//!   `[quad][row][4]`) against 8 activation rows at a time: every `vpdpbusd` is one 4-byte
+//!   activation broadcast times 16 rows, lanes are rows, so no horizontal sums at all.
+//!   `gemm_q4k_exact` is the same layout with llama.cpp's repacked-Q4_K float order.
 
 use std::arch::x86_64::*;
 
 use super::{rd_i32, rd_u16, rd_u32};
 use crate::kernels::fmt::*;
-
-/// How far ahead (in blocks) the GEMV prefetches each weight row.
-/// Zero point of the unpacked bytes as this family stores them.
-const fn off512(f: u8) -> i32 {
-    if signed(f) {
-        128
-    } else {
-        offset(f)
-    }
-}
 
 /// The 8 scales and 8 mins of a Q4_K/Q5_K super-block, as 16 i16 (`sc0..7, m0..7`).
 #[inline]
@@ -62,7 +50,7 @@ unsafe fn hsum128(v: __m128i) -> i32 {
 /// `out[r] = dot(row r, a)` for `nrows` rows of K-quant format `F`, `nb` super-blocks each.
 ///
 /// # Safety
-/// As [`gemv_legacy`].
+/// The kernel family's CPU features must be available; pointers must cover the stated sizes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn gemv_k<const F: u8>(
     w: *const u8,
@@ -190,70 +178,11 @@ unsafe fn f16(h: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
-/// One GEMM tile: 16 packed rows (`panel`, legacy format `F`, `nb` blocks) times `T`
-/// activation rows; `out[t][0..nvalid]` receives row results for token `t`.
-///
-/// # Safety
-/// As [`gemv_legacy`]; `panel` holds `nb * panel_block_bytes(F)` bytes packed with `to_u8`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn gemm_legacy<const F: u8, const T: usize>(
-    panel: *const u8,
-    nb: usize,
-    tile: Tile,
-    nvalid: usize,
-) {
-    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
-    let pbb = panel_block_bytes(F);
-    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
-    let off = off512(F);
-    let mut accf = [_mm512_setzero_ps(); T];
-    for b in 0..nb {
-        let pb = panel.add(b * pbb);
-        let mut acci = [_mm512_setzero_si512(); T];
-        for q in 0..8 {
-            let wv = _mm512_loadu_si512(pb.add(64 * q) as *const __m512i);
-            for t in 0..T {
-                let av = _mm512_set1_epi32(rd_i32(a[t].q.add(b * abs + aqo + 4 * q)));
-                acci[t] = _mm512_dpbusd_epi32(acci[t], wv, av);
-            }
-        }
-        let dw = _mm512_loadu_ps(pb.add(512) as *const f32);
-        for t in 0..T {
-            let mut si = acci[t];
-            if off != 0 {
-                si = _mm512_sub_epi32(si, _mm512_set1_epi32(off * *a[t].isum.add(b)));
-            }
-            let sf = _mm512_cvtepi32_ps(si);
-            let da = _mm512_set1_ps(*a[t].d.add(b));
-            let term = match kind(F) {
-                KIND_A => _mm512_mul_ps(_mm512_mul_ps(sf, dw), da),
-                KIND_B => _mm512_mul_ps(sf, _mm512_mul_ps(dw, da)),
-                _ => {
-                    let mw = _mm512_loadu_ps(pb.add(576) as *const f32);
-                    let sa = _mm512_set1_ps(*a[t].s.add(b));
-                    _mm512_add_ps(
-                        _mm512_mul_ps(_mm512_mul_ps(dw, da), sf),
-                        _mm512_mul_ps(mw, sa),
-                    )
-                }
-            };
-            accf[t] = _mm512_add_ps(accf[t], term);
-        }
-    }
-    let m: __mmask16 = if nvalid >= 16 {
-        0xffff
-    } else {
-        (1u16 << nvalid) - 1
-    };
-    for (t, acc) in accf.iter().enumerate().take(tile.nt.min(T)) {
-        _mm512_mask_storeu_ps(tile.out.add(t * tile.ostride), m, *acc);
-    }
-}
-
 /// One GEMM tile for the K-quants (`nb` super-blocks).
 ///
 /// # Safety
-/// As [`gemm_legacy`].
+/// The kernel families' CPU features must be available; `panel` holds
+/// `nb * panel_block_bytes(F)` bytes; the tile's pointers cover its rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
     panel: *const u8,
