@@ -1,9 +1,11 @@
 //! `rustorch bench`: prompt-processing and generation speed, modelled on llama-bench.
 //!
 //! For each model, thread count and test: a warm-up run, then `-r` timed repetitions on a
-//! fresh KV cache of `n_prompt + n_gen` cells. `ppN` evaluates N random tokens as one batch
+//! fresh KV cache of `(n_prompt + n_gen) * parallel` cells. `ppN` evaluates N random tokens as one batch
 //! (logits for the last one only); `tgN` decodes N random tokens one at a time from an empty
-//! cache. Speed is tokens per second per repetition; the table shows mean ± sample standard
+//! cache; with `--parallel N` each step is one batch holding the next token of N sequences
+//! (as llama-batched-bench's `-npl`), and the test is named `tgN xN`. Speed is tokens per
+//! second per repetition; the table shows mean ± sample standard
 //! deviation. `-o json` prints a JSON array with llama-bench's field names (plus load time and
 //! peak RSS), `-o jsonl` one object per line.
 
@@ -14,7 +16,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use rustorch_core::gguf::GgufFile;
 use rustorch_core::GgmlType;
-use rustorch_llm::{Batch, Model, Runtime};
+use rustorch_llm::{Batch, Model, Runtime, SeqId};
 use serde_json::{json, Value};
 
 use crate::common;
@@ -46,6 +48,15 @@ pub struct Args {
     /// Thread counts (comma-separated; default: physical cores)
     #[arg(short = 't', long = "threads", value_delimiter = ',')]
     pub threads: Vec<usize>,
+    /// Sequences decoded together in the generation test (comma-separated), as
+    /// llama-batched-bench's `-npl`: each step is one batch with a token of every sequence
+    #[arg(
+        long = "parallel",
+        visible_alias = "npl",
+        value_delimiter = ',',
+        default_value = "1"
+    )]
+    pub parallel: Vec<usize>,
     /// Output format: md, json or jsonl
     #[arg(short = 'o', long = "output", default_value = "md")]
     pub output: String,
@@ -63,6 +74,7 @@ struct TestResult {
     n_threads: usize,
     n_prompt: usize,
     n_gen: usize,
+    n_parallel: usize,
     samples_ns: Vec<u64>,
     test_time: String,
 }
@@ -81,7 +93,7 @@ struct ModelInfo {
 
 impl TestResult {
     fn n_tokens(&self) -> usize {
-        self.n_prompt + self.n_gen
+        (self.n_prompt + self.n_gen) * self.n_parallel
     }
     fn samples_ts(&self) -> Vec<f64> {
         self.samples_ns
@@ -90,10 +102,15 @@ impl TestResult {
             .collect()
     }
     fn name(&self) -> String {
-        match (self.n_prompt, self.n_gen) {
+        let base = match (self.n_prompt, self.n_gen) {
             (p, 0) => format!("pp{p}"),
             (0, g) => format!("tg{g}"),
             (p, g) => format!("pp{p}+tg{g}"),
+        };
+        if self.n_parallel > 1 {
+            format!("{base} x{}", self.n_parallel)
+        } else {
+            base
         }
     }
 }
@@ -268,17 +285,21 @@ fn load_model(path: &Path) -> anyhow::Result<(Model, ModelInfo)> {
     Ok((model, info))
 }
 
+/// Times `reps` runs of one test: a prompt of `n_prompt` tokens as one batch, then `n_gen`
+/// steps of one batch holding the next token of each of `n_par` sequences.
+#[allow(clippy::too_many_arguments)]
 fn run_test(
     model: &Model,
     rt: &Runtime,
     n_prompt: usize,
     n_gen: usize,
+    n_par: usize,
     reps: usize,
     warmup: bool,
 ) -> anyhow::Result<Vec<u64>> {
     let n_vocab = model.hparams().n_vocab as u32;
     let mut rng = Lcg(42);
-    let n_ctx = n_prompt + n_gen;
+    let n_ctx = (n_prompt + n_gen) * n_par;
     let prompt: Vec<u32> = (0..n_prompt).map(|_| rng.next(n_vocab)).collect();
     let run_once = |n_prompt: usize, n_gen: usize, rng: &mut Lcg| -> anyhow::Result<u64> {
         let mut cache = model.new_cache(n_ctx.max(1));
@@ -293,7 +314,9 @@ fn run_test(
         let mut b = Batch::new();
         for i in 0..n_gen {
             b.clear();
-            b.push(rng.next(n_vocab), (n_prompt + i) as u32, 0, true);
+            for s in 0..n_par {
+                b.push(rng.next(n_vocab), (n_prompt + i) as u32, s as SeqId, true);
+            }
             model.forward(&b, &mut cache, rt)?;
         }
         Ok(t0.elapsed().as_nanos() as u64)
@@ -335,6 +358,7 @@ fn to_json(r: &TestResult, cpu: &str) -> Value {
         "flash_attn": true,
         "n_prompt": r.n_prompt,
         "n_gen": r.n_gen,
+        "n_parallel": r.n_parallel,
         "n_depth": 0,
         "test_time": r.test_time,
         "avg_ns": avg_ns as u64,
@@ -381,20 +405,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut tests: Vec<(usize, usize)> = Vec::new();
         tests.extend(args.n_prompt.iter().filter(|&&p| p > 0).map(|&p| (p, 0)));
         tests.extend(args.n_gen.iter().filter(|&&g| g > 0).map(|&g| (0, g)));
+        let mut tests: Vec<(usize, usize, usize)> = tests
+            .into_iter()
+            .flat_map(|(p, g)| {
+                let pars: Vec<usize> = if g > 0 { args.parallel.clone() } else { vec![1] };
+                pars.into_iter().map(move |n| (p, g, n.max(1)))
+            })
+            .collect();
+        tests.dedup();
         let first = results.len();
         for &t in &threads {
             let rt = Runtime::new(t);
-            for &(p, g) in &tests {
+            for &(p, g, np) in &tests {
                 if args.progress {
-                    eprintln!("bench: {} t={t} p={p} n={g}", path.display());
+                    eprintln!("bench: {} t={t} p={p} n={g} np={np}", path.display());
                 }
                 let test_time = now_iso();
-                let samples_ns = run_test(&model, &rt, p, g, reps, !args.no_warmup)?;
+                let samples_ns = run_test(&model, &rt, p, g, np, reps, !args.no_warmup)?;
                 results.push(TestResult {
                     model: info.clone(),
                     n_threads: t,
                     n_prompt: p,
                     n_gen: g,
+                    n_parallel: np,
                     samples_ns,
                     test_time,
                 });
@@ -424,7 +457,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 );
             }
             let kv = info.kv_bytes_per_cell
-                * tests.iter().map(|(p, g)| (p + g) as u64).max().unwrap_or(0);
+                * tests
+                    .iter()
+                    .map(|(p, g, n)| ((p + g) * n) as u64)
+                    .max()
+                    .unwrap_or(0);
             eprintln!(
                 "{}: load {:.1} ms, peak RSS {:.1} MiB (file {:.1} MiB + KV cache {:.1} MiB), kernels {}",
                 path.display(),

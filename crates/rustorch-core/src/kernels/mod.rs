@@ -136,6 +136,11 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+#[derive(Clone, Copy)]
+struct SendConst(*const u8);
+unsafe impl Send for SendConst {}
+unsafe impl Sync for SendConst {}
+
 /// Which algorithm [`matmul_with`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulPath {
@@ -864,12 +869,99 @@ fn x86_gemm_lanes(
     if f == fmt::Q6_K {
         run_tiles::<4>(pool, x86::lanes::tile_q6k::<4>, f, w, qa, out);
     } else if isa == Isa::Avx512 && f != fmt::IQ4_NL {
-        let kern: TileFn<8> = with_fmt!(f, F => x86::lanes::tile512::<F, 8> as TileFn<8>);
-        run_tiles::<8>(pool, kern, f, w, qa, out);
+        with_fmt!(f, F => run_tiles512::<F>(pool, w, qa, out));
     } else {
         let kern: TileFn<4> = with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn<4>);
         run_tiles::<4>(pool, kern, f, w, qa, out);
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    static ACT_TILES: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Legacy formats on AVX-512: the activation rows are packed once into tiles of 8 (the last
+/// tile 1, 2, 4 or 8 wide, the fewest that hold its rows), then `lanes::tile512` runs over
+/// groups of 16 weight rows (split over the pool) and those tiles.
+#[cfg(target_arch = "x86_64")]
+fn run_tiles512<const F: u8>(pool: &ThreadPool, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    use x86::lanes::{act_tile_stride, pack_act_tile, tile512};
+    let n_rows = w.n_rows;
+    let n_tok = qa.n_rows;
+    let rb = w.row_bytes();
+    let nb = w.n_cols / fmt::block_len(F);
+    let n_full = n_tok / 8;
+    let (tail_t0, tail_nt) = (8 * n_full, n_tok % 8);
+    let tail_t = match tail_nt {
+        0 => 0,
+        1 => 1,
+        2 => 2,
+        3 | 4 => 4,
+        _ => 8,
+    };
+    let full_bytes = nb * act_tile_stride(F, 8);
+    let tail_off = n_full * full_bytes;
+    let total = tail_off + nb * act_tile_stride(F, tail_t);
+    ACT_TILES.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if buf.len() < total {
+            buf.resize(total, 0);
+        }
+        let acts = |t0: usize, n: usize| -> [ActRow; 8] {
+            std::array::from_fn(|i| act_row(qa, t0 + i.min(n - 1)))
+        };
+        // SAFETY: AVX-512 VNNI was detected by the caller; each tile's rows exist and its
+        // destination lies inside the buffer (sizes computed above).
+        unsafe {
+            let base = buf.as_mut_ptr();
+            for i in 0..n_full {
+                pack_act_tile::<F, 8>(&acts(8 * i, 8), nb, base.add(i * full_bytes));
+            }
+            if tail_nt > 0 {
+                let ta = acts(tail_t0, tail_nt);
+                let (ta, td) = (&ta[..tail_nt], base.add(tail_off));
+                match tail_t {
+                    1 => pack_act_tile::<F, 1>(ta, nb, td),
+                    2 => pack_act_tile::<F, 2>(ta, nb, td),
+                    4 => pack_act_tile::<F, 4>(ta, nb, td),
+                    _ => pack_act_tile::<F, 8>(ta, nb, td),
+                }
+            }
+        }
+        let at = SendConst(buf.as_ptr());
+        let groups = n_rows.div_ceil(16);
+        let (n_tasks, per) = split(pool, groups, 1);
+        let dst = SendPtr(out.as_mut_ptr());
+        pool.run(n_tasks, &|task| {
+            #[allow(clippy::redundant_locals)]
+            // capture the whole Send wrappers, not their raw-pointer fields
+            let (dst, at) = (dst, at);
+            let base = w.data.as_ptr();
+            for g in task * per..((task + 1) * per).min(groups) {
+                let r0 = 16 * g;
+                let nr = (n_rows - r0).min(16);
+                // SAFETY: rows r0..r0+nr exist; the tiles were packed above; outputs
+                // (t, r0..r0+nr) of each tile's valid rows belong to this task.
+                unsafe {
+                    let wp = base.add(r0 * rb);
+                    for i in 0..n_full {
+                        let o = dst.0.add(8 * i * n_rows + r0);
+                        tile512::<F, 8>(wp, rb, nr, nb, at.0.add(i * full_bytes), 8, o, n_rows);
+                    }
+                    if tail_nt > 0 {
+                        let (a, o) = (at.0.add(tail_off), dst.0.add(tail_t0 * n_rows + r0));
+                        match tail_t {
+                            1 => tile512::<F, 1>(wp, rb, nr, nb, a, tail_nt, o, n_rows),
+                            2 => tile512::<F, 2>(wp, rb, nr, nb, a, tail_nt, o, n_rows),
+                            4 => tile512::<F, 4>(wp, rb, nr, nb, a, tail_nt, o, n_rows),
+                            _ => tile512::<F, 8>(wp, rb, nr, nb, a, tail_nt, o, n_rows),
+                        }
+                    }
+                }
+            }
+        });
+    });
 }
 
 /// Runs `kern` over groups of 16 weight rows (split over the pool) and tiles of `T`

@@ -340,13 +340,113 @@ pub(crate) unsafe fn gemv512<const F: u8>(
     }
 }
 
-/// [`tile`] on AVX-512: two weight rows per 512-bit register against up to `T` activation
-/// rows; each weight block is unpacked once for all of them, the row scales are gathered 16
-/// blocks at a time, and every lane performs the scalar float sequence (`dw * da` rounded,
-/// one FMA per block, `hsum_float_8`, Q4_1/Q5_1 `summs` by FMA). Not for IQ4_NL.
+/// Bytes per block of a packed activation tile of `T` rows (see [`pack_act_tile`]).
+pub(crate) const fn act_tile_stride(f: u8, t: usize) -> usize {
+    if has_min(f) {
+        40 * t
+    } else {
+        68 * t
+    }
+}
+
+/// The zero point that [`tile512`] removes from its unsigned weight bytes through the
+/// activation correction (Q8_0's signed values are shifted by 128).
+const fn zero_point(f: u8) -> i32 {
+    if f == Q8_0 {
+        128
+    } else {
+        offset(f)
+    }
+}
+
+/// Packs activation rows `acts[..nt]` (of `nb` blocks) into the interleaved tile layout
+/// that [`tile512`] reads, `T` rows wide; rows `nt..T` are zero. Per block, at
+/// `b * act_tile_stride(F, T)`: the rows' 32 quant bytes (`[T][32]`), their scales `f32 [T]`,
+/// then for Q4_1/Q5_1 the Q8_1 sums `s` (`f32 [T]`), otherwise per row eight `i32` lane
+/// corrections `-zero_point * (sum of the lane's four quants)`.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL/VNNI/DQ must be available; pointers must cover the stated sizes.
+/// AVX-512 F/BW/VL/VNNI must be available; `acts[..nt]` must cover `nb` blocks and `dst`
+/// `nb * act_tile_stride(F, T)` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn pack_act_tile<const F: u8, const T: usize>(
+    acts: &[ActRow],
+    nb: usize,
+    dst: *mut u8,
+) {
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    let stride = act_tile_stride(F, T);
+    let ones = _mm256_set1_epi8(1);
+    let zp = _mm256_set1_epi32(-zero_point(F));
+    for b in 0..nb {
+        let blk = dst.add(b * stride);
+        for t in 0..T {
+            let (y, d, s) = match acts.get(t) {
+                Some(a) => (
+                    _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i),
+                    *a.d.add(b),
+                    if has_min(F) { *a.s.add(b) } else { 0.0 },
+                ),
+                None => (_mm256_setzero_si256(), 0.0, 0.0),
+            };
+            _mm256_storeu_si256(blk.add(32 * t) as *mut __m256i, y);
+            *(blk.add(32 * T + 4 * t) as *mut f32) = d;
+            if has_min(F) {
+                *(blk.add(36 * T + 4 * t) as *mut f32) = s;
+            } else {
+                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, y);
+                _mm256_storeu_si256(
+                    blk.add(36 * T + 32 * t) as *mut __m256i,
+                    _mm256_mullo_epi32(sums, zp),
+                );
+            }
+        }
+    }
+}
+
+/// A legacy block's 32 values as unsigned bytes (`value + zero_point`).
+#[inline(always)]
+unsafe fn uvalues<const F: u8>(p: *const u8) -> __m256i {
+    let u = unpack_legacy::<F>(p);
+    if F == Q8_0 {
+        _mm256_xor_si256(u, _mm256_set1_epi8(-128))
+    } else {
+        u
+    }
+}
+
+/// The f16 at `p0` in lanes 0..8 and the one at `p1` in lanes 8..16, as f32.
+#[inline(always)]
+unsafe fn halves_f16(p0: *const u8, p1: *const u8) -> __m512 {
+    let h = _mm256_mask_blend_epi16(
+        0xff00,
+        _mm256_set1_epi16(rd_u16(p0) as i16),
+        _mm256_set1_epi16(rd_u16(p1) as i16),
+    );
+    _mm512_cvtph_ps(h)
+}
+
+/// `T` consecutive f32 repeated to fill 16 lanes (`T` divides 8).
+#[inline(always)]
+unsafe fn repeat_t<const T: usize>(p: *const u8) -> __m512 {
+    match T {
+        8 => _mm512_broadcast_f32x8(_mm256_loadu_ps(p as *const f32)),
+        4 => _mm512_broadcast_f32x4(_mm_loadu_ps(p as *const f32)),
+        2 => _mm512_castpd_ps(_mm512_set1_pd(std::ptr::read_unaligned(p as *const f64))),
+        _ => _mm512_set1_ps(*(p as *const f32)),
+    }
+}
+
+/// [`tile`] on AVX-512 against a packed activation tile ([`pack_act_tile`]): two weight
+/// rows per 512-bit register, each weight block unpacked once for all `T` activation rows.
+/// Every lane performs the scalar float sequence (`dw * da` rounded, one FMA per block of
+/// the eight exact 4-product lane sums, `hsum_float_8`, Q4_1/Q5_1 `summs` by FMA); the lane
+/// sums come from one `vpdpbusd` of the unsigned weight bytes, started from the tile's
+/// zero-point correction. Not for IQ4_NL.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI/DQ must be available; `w` must cover `nrows` rows of `rb` bytes,
+/// `at` `nb` packed blocks, and `out` the outputs `t * ostride + r` for `t < nt`.
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
@@ -354,82 +454,57 @@ pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
     rb: usize,
     nrows: usize,
     nb: usize,
-    acts: &[ActRow; T],
+    at: *const u8,
     nt: usize,
     out: *mut f32,
     ostride: usize,
 ) {
     let bs = block_bytes(F);
-    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
-    let offs = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(bs as i32),
-    );
-    let zero = _mm512_setzero_si512();
+    let stride = act_tile_stride(F, T);
     let nt = nt.min(T);
     let mut r0 = 0;
     while r0 < nrows {
-        let rows = [w.add(r0 * rb), w.add((r0 + 1).min(nrows - 1) * rb)];
+        let (w0, w1) = (w.add(r0 * rb), w.add((r0 + 1).min(nrows - 1) * rb));
         let mut acc = [_mm512_setzero_ps(); T];
-        let mut summs = [[0f32; T]; 2];
-        let mut c = 0;
-        while c < nb {
-            let n16 = (nb - c).min(16);
-            let k: __mmask16 = if n16 == 16 { 0xffff } else { (1u16 << n16) - 1 };
-            let mut dv = [_mm512_setzero_ps(); 2];
-            let mut mw = [[0f32; 16]; 2];
-            for (i, row) in rows.iter().enumerate() {
-                let g =
-                    _mm512_mask_i32gather_epi32::<1>(zero, k, offs, row.add(c * bs) as *const i32);
-                dv[i] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-                if has_min(F) {
-                    let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
-                    _mm512_storeu_ps(mw[i].as_mut_ptr(), m);
-                }
+        // lane 8 * i + t: row r0 + i, activation row t (repeated when T < 8)
+        let mut summs = _mm512_setzero_ps();
+        for b in 0..nb {
+            let (p0, p1) = (w0.add(b * bs), w1.add(b * bs));
+            // the next row pair, same block: keeps the weight stream ahead of the tile
+            _mm_prefetch::<_MM_HINT_T0>(p0.wrapping_add(2 * rb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p1.wrapping_add(2 * rb) as *const i8);
+            let a = at.add(b * stride);
+            let x = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(uvalues::<F>(p0)),
+                uvalues::<F>(p1),
+            );
+            let dw = halves_f16(p0, p1);
+            if has_min(F) {
+                let mw = halves_f16(p0.add(2), p1.add(2));
+                summs = _mm512_fmadd_ps(mw, repeat_t::<T>(a.add(36 * T)), summs);
             }
-            let mut idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
-            for j in 0..n16 {
-                let b = c + j;
-                let (p0, p1) = (rows[0].add(b * bs), rows[1].add(b * bs));
-                let x = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(values::<F>(p0)),
-                    values::<F>(p1),
-                );
-                let neg = _mm512_movepi8_mask(x);
-                let ux = if has_min(F) { x } else { _mm512_abs_epi8(x) };
-                let dwv = _mm512_permutex2var_ps(dv[0], idx, dv[1]);
-                for t in 0..T {
-                    if t >= nt {
-                        break;
-                    }
-                    let a = acts[t];
-                    let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        a.q.add(b * abs + aqo) as *const __m256i
-                    ));
-                    let sy = if has_min(F) {
-                        y
-                    } else {
-                        _mm512_mask_sub_epi8(y, neg, zero, y)
-                    };
-                    let l = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, ux, sy));
-                    let sc = _mm512_mul_ps(dwv, _mm512_set1_ps(*a.d.add(b)));
-                    acc[t] = _mm512_fmadd_ps(sc, l, acc[t]);
-                    if has_min(F) {
-                        let sa = *a.s.add(b);
-                        summs[0][t] = mw[0][j].mul_add(sa, summs[0][t]);
-                        summs[1][t] = mw[1][j].mul_add(sa, summs[1][t]);
-                    }
-                }
-                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
+            for t in 0..T {
+                let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.add(32 * t) as *const __m256i));
+                let c = if has_min(F) {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        a.add(36 * T + 32 * t) as *const __m256i
+                    ))
+                };
+                let l = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, x, y));
+                let sc = _mm512_mul_ps(dw, _mm512_set1_ps(*(a.add(32 * T + 4 * t) as *const f32)));
+                acc[t] = _mm512_fmadd_ps(sc, l, acc[t]);
             }
-            c += n16;
         }
+        let mut sm = [0f32; 16];
+        _mm512_storeu_ps(sm.as_mut_ptr(), summs);
         for t in 0..nt {
             let v = acc[t];
-            *out.add(t * ostride + r0) = hsum_float_8(_mm512_castps512_ps256(v)) + summs[0][t];
+            *out.add(t * ostride + r0) = hsum_float_8(_mm512_castps512_ps256(v)) + sm[t];
             if r0 + 1 < nrows {
                 let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-                *out.add(t * ostride + r0 + 1) = hsum_float_8(hi) + summs[1][t];
+                *out.add(t * ostride + r0 + 1) = hsum_float_8(hi) + sm[8 + t];
             }
         }
         r0 += 2;
