@@ -408,7 +408,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut tests: Vec<(usize, usize, usize)> = tests
             .into_iter()
             .flat_map(|(p, g)| {
-                let pars: Vec<usize> = if g > 0 { args.parallel.clone() } else { vec![1] };
+                let pars: Vec<usize> = if g > 0 {
+                    args.parallel.clone()
+                } else {
+                    vec![1]
+                };
                 pars.into_iter().map(move |n| (p, g, n.max(1)))
             })
             .collect();

@@ -22,12 +22,16 @@ use std::time::{Duration, Instant};
 const SPIN: Duration = Duration::from_micros(300);
 const YIELD: Duration = Duration::from_millis(3);
 
+/// Next-index value of a closed generation: above every task count (< `u32::MAX`).
+const CLOSED: u64 = 0xffff_ffff;
+
 struct Shared {
     /// `generation << 32 | next task index`.
     state: AtomicU64,
     /// The job's closure as the two words of a fat pointer, and its task count. Read only
     /// after observing the generation; a claim validates the generation again, so a value
-    /// read from a newer job is never used.
+    /// read from a newer job is never used: the submitter closes the old generation before
+    /// writing them (Release), so whoever reads a newer job's words fails that claim.
     f_data: AtomicUsize,
     f_vtable: AtomicUsize,
     n_tasks: AtomicUsize,
@@ -98,11 +102,16 @@ impl ThreadPool {
         };
         let sh = &*self.shared;
         let [data, vtable] = fat_words(f);
-        sh.f_data.store(data, Ordering::Relaxed);
-        sh.f_vtable.store(vtable, Ordering::Relaxed);
-        sh.n_tasks.store(n_tasks, Ordering::Relaxed);
+        let prev = sh.state.load(Ordering::Relaxed) >> 32;
+        // Close the previous generation before the job words change: a worker that observed
+        // it but reads this job's (larger) task count must not find an index to claim in it.
+        sh.state.store(prev << 32 | CLOSED, Ordering::SeqCst);
+        // Release: a worker that reads one of these words also sees the closed generation.
+        sh.f_data.store(data, Ordering::Release);
+        sh.f_vtable.store(vtable, Ordering::Release);
+        sh.n_tasks.store(n_tasks, Ordering::Release);
         sh.completed.store(0, Ordering::Relaxed);
-        let gen = (sh.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
+        let gen = prev.wrapping_add(1) & 0xffff_ffff;
         // SeqCst: pairs with the sleepers check below and in `worker` (no lost wake-up)
         sh.state.store(gen << 32, Ordering::SeqCst);
         if sh.sleepers.load(Ordering::SeqCst) > 0 {
@@ -210,8 +219,9 @@ fn worker(sh: &Shared) {
         let n_tasks = sh.n_tasks.load(Ordering::Acquire);
         // SAFETY: `claim` calls this only after a compare-and-swap proved that the job is
         // still generation `gen` with an unclaimed task. The words were read after observing
-        // `gen` and the submitter changes them only after every task of `gen` completed, so
-        // they are exactly `gen`'s closure, which stays alive until the claimed task is done.
+        // `gen`; the submitter changes them only after every task of `gen` completed and
+        // after closing `gen` (so words or a count from a newer job make that compare-and-
+        // swap fail), so they are exactly `gen`'s closure, alive until the task is done.
         let call = |i: usize| {
             let f = unsafe { std::mem::transmute::<[usize; 2], &(dyn Fn(usize) + Sync)>(words) };
             f(i)
@@ -345,5 +355,31 @@ mod tests {
             c.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(c.load(Ordering::Relaxed), 4);
+    }
+
+    /// A worker that wakes late must never run a task of one call with the descriptor of
+    /// the next (or after that call has returned): every task runs exactly once, inside
+    /// its own call. Calls alternate task counts so a stale count would admit a claim.
+    #[test]
+    fn back_to_back_calls_never_mix() {
+        for threads in [2, 3, 5] {
+            let pool = ThreadPool::new(threads);
+            let stray = AtomicUsize::new(0);
+            for run in 0..100_000usize {
+                let n = if run % 2 == 0 { 2 } else { 9 };
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                let live = std::sync::atomic::AtomicBool::new(true);
+                pool.run(n, &|i| {
+                    if !live.load(Ordering::SeqCst) {
+                        stray.fetch_add(1, Ordering::SeqCst);
+                    }
+                    hits[i].fetch_add(1, Ordering::SeqCst);
+                });
+                live.store(false, Ordering::SeqCst);
+                let counts: Vec<usize> = hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+                assert!(counts.iter().all(|&c| c == 1), "run {run}: {counts:?}");
+            }
+            assert_eq!(stray.load(Ordering::SeqCst), 0);
+        }
     }
 }

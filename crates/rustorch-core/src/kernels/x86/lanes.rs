@@ -474,10 +474,8 @@ pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
             _mm_prefetch::<_MM_HINT_T0>(p0.wrapping_add(2 * rb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(p1.wrapping_add(2 * rb) as *const i8);
             let a = at.add(b * stride);
-            let x = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(uvalues::<F>(p0)),
-                uvalues::<F>(p1),
-            );
+            let x =
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(uvalues::<F>(p0)), uvalues::<F>(p1));
             let dw = halves_f16(p0, p1);
             if has_min(F) {
                 let mw = halves_f16(p0.add(2), p1.add(2));
