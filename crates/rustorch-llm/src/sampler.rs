@@ -719,6 +719,17 @@ impl Sampler {
     /// Runs every stage but the draw.
     fn run_chain(&self, logits: &[f32], c: &mut Candidates) {
         let p = &self.params;
+        self.run_adjust(logits, c);
+        top_k(c, p.top_k);
+        typical(c, p.typical_p, p.min_keep);
+        top_p(c, p.top_p, p.min_keep);
+        min_p(c, p.min_p, p.min_keep);
+        temperature(c, p.temperature);
+    }
+
+    /// The stages that change logits without removing candidates: bias, then penalties.
+    fn run_adjust(&self, logits: &[f32], c: &mut Candidates) {
+        let p = &self.params;
         c.fill(logits);
         apply_logit_bias(c, &self.bias);
         if self.penalties_active() {
@@ -730,11 +741,6 @@ impl Sampler {
                 p.presence_penalty,
             );
         }
-        top_k(c, p.top_k);
-        typical(c, p.typical_p, p.min_keep);
-        top_p(c, p.top_p, p.min_keep);
-        min_p(c, p.min_p, p.min_keep);
-        temperature(c, p.temperature);
     }
 
     /// Picks the next token from `logits` (one row of the model's output). Does not
@@ -742,8 +748,28 @@ impl Sampler {
     /// for empty logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let mut c = std::mem::take(&mut self.scratch);
-        self.run_chain(logits, &mut c);
-        let token = dist(&mut c, &mut self.rng).map_or(0, |i| c.data[i].id);
+        let p = &self.params;
+        let token = if p.temperature <= 0.0 && p.typical_p >= 1.0 {
+            // Greedy: top-k, top-p and min-p all keep the most likely candidate and the
+            // temperature stage keeps only it, so the chain's answer is the first largest
+            // logit after bias and penalties. The draw is still taken, as `dist` would.
+            self.run_adjust(logits, &mut c);
+            let best = c
+                .data
+                .iter()
+                .enumerate()
+                .fold(None, |b: Option<usize>, (i, t)| match b {
+                    Some(j) if c.data[j].logit >= t.logit => Some(j),
+                    _ => Some(i),
+                });
+            if best.is_some() {
+                self.rng.next_f64();
+            }
+            best.map_or(0, |i| c.data[i].id)
+        } else {
+            self.run_chain(logits, &mut c);
+            dist(&mut c, &mut self.rng).map_or(0, |i| c.data[i].id)
+        };
         self.scratch = c;
         token
     }
@@ -823,5 +849,44 @@ mod tests {
         assert_eq!(rng_seed(42), 42);
         assert_eq!(rng_seed(u64::from(u32::MAX)), u32::MAX);
         assert_eq!(rng_seed(1 << 32), 1);
+    }
+
+    /// The greedy shortcut picks what the whole chain plus the draw picks, bias and
+    /// penalties included, and leaves the generator where the draw leaves it.
+    #[test]
+    fn greedy_shortcut_equals_the_chain() {
+        let mut rng = Mt19937::new(7);
+        for case in 0..200u32 {
+            let n = 50 + (case as usize % 7) * 13;
+            let logits: Vec<f32> = (0..n)
+                .map(|_| (rng.next_f64() as f32 - 0.5) * 20.0)
+                .collect();
+            let mut params = SamplerParams {
+                temperature: 0.0,
+                seed: Some(case as u64),
+                repeat_penalty: 1.3,
+                frequency_penalty: 0.2,
+                presence_penalty: 0.5,
+                top_k: [0, 1, 5, 40][case as usize % 4],
+                min_p: 0.05,
+                top_p: 0.9,
+                ..SamplerParams::default()
+            };
+            params
+                .logit_bias
+                .insert(rng.next_u32() % n as u32, [-100.0, 3.0][case as usize % 2]);
+            let mut fast = Sampler::new(params.clone(), n);
+            let mut chain = Sampler::new(params, n);
+            for t in 0..6 {
+                let tok = rng.next_u32() % n as u32;
+                fast.accept(tok);
+                chain.accept(tok);
+                let mut c = Candidates::default();
+                chain.run_chain(&logits, &mut c);
+                let want = dist(&mut c, &mut chain.rng).map_or(0, |i| c.data[i].id);
+                assert_eq!(fast.sample(&logits), want, "case {case} step {t}");
+                assert_eq!(fast.rng.next_u32(), chain.rng.next_u32());
+            }
+        }
     }
 }

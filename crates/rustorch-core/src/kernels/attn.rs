@@ -54,8 +54,20 @@ pub struct GroupQuery<'a> {
 pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
     let hd = h.q.len();
     debug_assert_eq!(out.len(), hd);
-    let q16: Vec<u16> = h.q.iter().map(|&x| f32_to_f16(x)).collect();
-    let mut acc = vec![0u16; hd];
+    // head sizes up to 256 live on the stack (no allocation per head and token)
+    let (mut q_st, mut acc_st) = ([0u16; 256], [0u16; 256]);
+    let (mut q_heap, mut acc_heap) = (Vec::new(), Vec::new());
+    let (q16, acc) = if hd <= 256 {
+        (&mut q_st[..hd], &mut acc_st[..hd])
+    } else {
+        q_heap.resize(hd, 0);
+        acc_heap.resize(hd, 0);
+        (&mut q_heap[..], &mut acc_heap[..])
+    };
+    for (d, &x) in q16.iter_mut().zip(h.q) {
+        *d = f32_to_f16(x);
+    }
+    let q16: &[u16] = q16;
     let mut m = f32::NEG_INFINITY;
     let mut sum = 0f32;
     for (c, &p) in h.pos.iter().enumerate() {
@@ -63,22 +75,22 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
             continue;
         }
         let base = c * h.stride + h.offset;
-        let s = dot_f16(isa, &h.k[base..base + hd], &q16) * h.scale;
+        let s = dot_f16(isa, &h.k[base..base + hd], q16) * h.scale;
         let mut ms = 1.0f32;
         let mut vs = 1.0f32;
         if s > m {
             let m_old = m;
             m = s;
             ms = (m_old - m).exp();
-            scale_f16(isa, &mut acc, ms);
+            scale_f16(isa, acc, ms);
         } else {
             vs = (s - m).exp();
         }
-        mad_f16(isa, &mut acc, &h.v[base..base + hd], vs);
+        mad_f16(isa, acc, &h.v[base..base + hd], vs);
         sum = sum.mul_add(ms, vs);
     }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    for (o, &a) in out.iter_mut().zip(&acc) {
+    for (o, &a) in out.iter_mut().zip(acc.iter()) {
         *o = f16_to_f32(a) * inv;
     }
 }
@@ -196,6 +208,12 @@ pub fn scale_f16(isa: Isa, y: &mut [u16], v: f32) {
             *a = f64_to_f16(f16_to_f32(*a) as f64 * v16);
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: the family was detected.
+        unsafe { x86::scale_tail(&mut y[np..], v) };
+        return;
+    }
     let _ = isa;
     for a in y[np..].iter_mut() {
         *a = f32_to_f16(f16_to_f32(*a) * v);
@@ -234,6 +252,26 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn mad_native(y: &mut [u16], x: &[u16], v16: f64) {
         super::mad_native(y, x, v16)
+    }
+
+    /// `y = f16(y * v)` element-wise, 16 at a time.
+    ///
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn scale_tail(y: &mut [u16], v: f32) {
+        let n = y.len();
+        let vv = _mm512_set1_ps(v);
+        let mut i = 0;
+        while i + 16 <= n {
+            let py = y.as_mut_ptr().add(i) as *mut __m256i;
+            let r = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(py)), vv);
+            _mm256_storeu_si256(py, _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+            i += 16;
+        }
+        for a in y[i..].iter_mut() {
+            *a = super::f32_to_f16(super::f16_to_f32(*a) * v);
+        }
     }
 
     /// `y = f16(fma(x, v, y))` element-wise, 16 at a time.

@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{rd_u16, unpack_legacy};
+use super::{rd_u16, rd_u32, unpack_legacy};
 use crate::kernels::fmt::*;
 
 #[inline]
@@ -415,16 +415,17 @@ unsafe fn uvalues<const F: u8>(p: *const u8) -> __m256i {
     }
 }
 
-/// The f16 at `p0` in lanes 0..8 and the one at `p1` in lanes 8..16, as f32.
+/// The first two f16 of the blocks at `p0` and `p1` as f32 `[a0, b0, a1, b1]`; with
+/// [`HALVES_A`] / [`HALVES_B`] a permute spreads `a` (`b`) of `p0` over lanes 0..8 and of
+/// `p1` over lanes 8..16.
 #[inline(always)]
-unsafe fn halves_f16(p0: *const u8, p1: *const u8) -> __m512 {
-    let h = _mm256_mask_blend_epi16(
-        0xff00,
-        _mm256_set1_epi16(rd_u16(p0) as i16),
-        _mm256_set1_epi16(rd_u16(p1) as i16),
-    );
-    _mm512_cvtph_ps(h)
+unsafe fn head_f16x2(p0: *const u8, p1: *const u8) -> __m512 {
+    let v = _mm_insert_epi32::<1>(_mm_cvtsi32_si128(rd_u32(p0) as i32), rd_u32(p1) as i32);
+    _mm512_castps128_ps512(_mm_cvtph_ps(v))
 }
+
+const HALVES_A: [i32; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2];
+const HALVES_B: [i32; 16] = [1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3];
 
 /// `T` consecutive f32 repeated to fill 16 lanes (`T` divides 8).
 #[inline(always)]
@@ -462,6 +463,8 @@ pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
     let bs = block_bytes(F);
     let stride = act_tile_stride(F, T);
     let nt = nt.min(T);
+    let ia = _mm512_loadu_si512(HALVES_A.as_ptr() as *const _);
+    let ib = _mm512_loadu_si512(HALVES_B.as_ptr() as *const _);
     let mut r0 = 0;
     while r0 < nrows {
         let (w0, w1) = (w.add(r0 * rb), w.add((r0 + 1).min(nrows - 1) * rb));
@@ -476,9 +479,10 @@ pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
             let a = at.add(b * stride);
             let x =
                 _mm512_inserti64x4::<1>(_mm512_castsi256_si512(uvalues::<F>(p0)), uvalues::<F>(p1));
-            let dw = halves_f16(p0, p1);
+            let heads = head_f16x2(p0, p1);
+            let dw = _mm512_permutexvar_ps(ia, heads);
             if has_min(F) {
-                let mw = halves_f16(p0.add(2), p1.add(2));
+                let mw = _mm512_permutexvar_ps(ib, heads);
                 summs = _mm512_fmadd_ps(mw, repeat_t::<T>(a.add(36 * T)), summs);
             }
             for t in 0..T {
