@@ -54,6 +54,12 @@ pub struct GroupQuery<'a> {
 pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
     let hd = h.q.len();
     debug_assert_eq!(out.len(), hd);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd < 128 && hd % 16 == 0 {
+        // SAFETY: the family was detected; `hd` is a multiple of 16 below 128.
+        unsafe { x86::attend_head_regs(h, out) };
+        return;
+    }
     // head sizes up to 256 live on the stack (no allocation per head and token)
     let (mut q_st, mut acc_st) = ([0u16; 256], [0u16; 256]);
     let (mut q_heap, mut acc_heap) = (Vec::new(), Vec::new());
@@ -252,6 +258,60 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn mad_native(y: &mut [u16], x: &[u16], v16: f64) {
         super::mad_native(y, x, v16)
+    }
+
+    /// [`super::attend_head`] for head sizes that are a multiple of 16 below 128 (where
+    /// every accumulator update is the f32-then-f16 path): the f16 accumulator lives in
+    /// registers as f32 values rounded to f16 after every update, which is what storing
+    /// and reloading it does.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `h.q.len()` is a multiple of 16 below 128 and equals
+    /// `out.len()`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_head_regs(h: &super::HeadAttn<'_>, out: &mut [f32]) {
+        let hd = h.q.len();
+        let nv = hd / 16;
+        let mut q16 = [0u16; 128];
+        for (d, &x) in q16.iter_mut().zip(h.q) {
+            *d = super::f32_to_f16(x);
+        }
+        let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        let mut acc = [_mm512_setzero_ps(); 7];
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for (c, &p) in h.pos.iter().enumerate() {
+            if p > h.max_pos {
+                continue;
+            }
+            let base = c * h.stride + h.offset;
+            let s = super::dot_f16(super::Isa::Avx512, &h.k[base..base + hd], &q16[..hd]) * h.scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > m {
+                let m_old = m;
+                m = s;
+                ms = (m_old - m).exp();
+                let v = _mm512_set1_ps(ms);
+                for a in acc.iter_mut().take(nv) {
+                    *a = round(_mm512_mul_ps(*a, v));
+                }
+            } else {
+                vs = (s - m).exp();
+            }
+            let vv = _mm512_set1_ps(vs);
+            let vrow = h.v[base..base + hd].as_ptr();
+            for (i, a) in acc.iter_mut().take(nv).enumerate() {
+                let x = _mm512_cvtph_ps(_mm256_loadu_si256(vrow.add(16 * i) as *const __m256i));
+                *a = round(_mm512_fmadd_ps(x, vv, *a));
+            }
+            sum = sum.mul_add(ms, vs);
+        }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        let iv = _mm512_set1_ps(inv);
+        for (i, a) in acc.iter().take(nv).enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, iv));
+        }
     }
 
     /// `y = f16(y * v)` element-wise, 16 at a time.
