@@ -3,8 +3,9 @@
 //! For each model, thread count and test: a warm-up run, then `-r` timed repetitions on a
 //! fresh KV cache of `(n_prompt + n_gen) * parallel` cells. `ppN` evaluates N random tokens as one batch
 //! (logits for the last one only); `tgN` decodes N random tokens one at a time from an empty
-//! cache; with `--parallel N` each step is one batch holding the next token of N sequences
-//! (as llama-batched-bench's `-npl`), and the test is named `tgN xN`. Speed is tokens per
+//! cache; with `--parallel N` there are N sequences (as llama-batched-bench's `-npl`): the
+//! prompt test is one batch holding all N prompts, and each generation step one batch
+//! holding the next token of every sequence; such tests are named `ppN xN`, `tgN xN`. Speed is tokens per
 //! second per repetition; the table shows mean ± sample standard
 //! deviation. `-o json` prints a JSON array with llama-bench's field names (plus load time and
 //! peak RSS), `-o jsonl` one object per line.
@@ -48,8 +49,8 @@ pub struct Args {
     /// Thread counts (comma-separated; default: physical cores)
     #[arg(short = 't', long = "threads", value_delimiter = ',')]
     pub threads: Vec<usize>,
-    /// Sequences decoded together in the generation test (comma-separated), as
-    /// llama-batched-bench's `-npl`: each step is one batch with a token of every sequence
+    /// Sequences evaluated together (comma-separated), as llama-batched-bench's `-npl`: the
+    /// prompts of all of them in one batch, then one batch per step with a token of each
     #[arg(
         long = "parallel",
         visible_alias = "npl",
@@ -305,11 +306,14 @@ fn run_test(
         let mut cache = model.new_cache(n_ctx.max(1));
         let t0 = Instant::now();
         if n_prompt > 0 {
-            model.forward(
-                &Batch::from_prompt(&prompt[..n_prompt], 0, 0, false),
-                &mut cache,
-                rt,
-            )?;
+            // one batch: the prompt of every sequence (each its own copy of the tokens)
+            let mut b = Batch::new();
+            for s in 0..n_par {
+                for (i, &t) in prompt[..n_prompt].iter().enumerate() {
+                    b.push(t, i as u32, s as SeqId, i + 1 == n_prompt);
+                }
+            }
+            model.forward(&b, &mut cache, rt)?;
         }
         let mut b = Batch::new();
         for i in 0..n_gen {
@@ -408,11 +412,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut tests: Vec<(usize, usize, usize)> = tests
             .into_iter()
             .flat_map(|(p, g)| {
-                let pars: Vec<usize> = if g > 0 {
-                    args.parallel.clone()
-                } else {
-                    vec![1]
-                };
+                let pars = args.parallel.clone();
                 pars.into_iter().map(move |n| (p, g, n.max(1)))
             })
             .collect();

@@ -753,19 +753,22 @@ impl Sampler {
             // Greedy: top-k, top-p and min-p all keep the most likely candidate and the
             // temperature stage keeps only it, so the chain's answer is the first largest
             // logit after bias and penalties. The draw is still taken, as `dist` would.
-            self.run_adjust(logits, &mut c);
-            let best = c
-                .data
-                .iter()
-                .enumerate()
-                .fold(None, |b: Option<usize>, (i, t)| match b {
-                    Some(j) if c.data[j].logit >= t.logit => Some(j),
-                    _ => Some(i),
+            let token = if self.bias.is_empty() && !self.penalties_active() {
+                (!logits.is_empty()).then(|| argmax(logits))
+            } else {
+                self.run_adjust(logits, &mut c);
+                let best = c.data.iter().enumerate().fold(None, |b: Option<usize>, (i, t)| {
+                    match b {
+                        Some(j) if c.data[j].logit >= t.logit => Some(j),
+                        _ => Some(i),
+                    }
                 });
-            if best.is_some() {
+                best.map(|i| c.data[i].id)
+            };
+            if token.is_some() {
                 self.rng.next_f64();
             }
-            best.map_or(0, |i| c.data[i].id)
+            token.unwrap_or(0)
         } else {
             self.run_chain(logits, &mut c);
             dist(&mut c, &mut self.rng).map_or(0, |i| c.data[i].id)
@@ -872,9 +875,16 @@ mod tests {
                 top_p: 0.9,
                 ..SamplerParams::default()
             };
-            params
-                .logit_bias
-                .insert(rng.next_u32() % n as u32, [-100.0, 3.0][case as usize % 2]);
+            if case % 3 == 0 {
+                // neither bias nor penalties: the plain argmax path
+                params.repeat_penalty = 1.0;
+                params.frequency_penalty = 0.0;
+                params.presence_penalty = 0.0;
+            } else {
+                params
+                    .logit_bias
+                    .insert(rng.next_u32() % n as u32, [-100.0, 3.0][case as usize % 2]);
+            }
             let mut fast = Sampler::new(params.clone(), n);
             let mut chain = Sampler::new(params, n);
             for t in 0..6 {
