@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Benchmark `rustorch serve`: one stream alone vs many concurrent streams batched.
 
-Starts the server on a free loopback port (or uses --url), then
+Starts the server on a free loopback port (or uses --url), then, --rounds times in turn
+(so that both phases see the same machine load):
   1. runs each distinct prompt alone (greedy, fixed length) -> single-stream tokens/s
      and the reference text of each prompt;
   2. fires --requests concurrent streaming requests (prompts cycled) -> aggregate
      generated tokens/s, and checks that every stream finished with exactly its
      prompt's reference text (correct and not interleaved with another stream's).
-Prints both rates and their ratio. Standard library only; loopback traffic only,
+Prints each round, then the medians of both rates and of the rounds' ratios. Standard library only; loopback traffic only,
 bounded in count and time. Exit status 1 when a stream is wrong or missing, or
 the ratio is below --min-ratio.
 
@@ -148,6 +149,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="distinct prompts used")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternate the single-stream and concurrent phases this many times; "
+                         "medians are reported")
     ap.add_argument("--min-ratio", type=float, default=0.0,
                     help="fail when aggregate/single is below this")
     args = ap.parse_args()
@@ -164,60 +168,76 @@ def main():
         proc, host, port = start_server(args)
     ok = True
     try:
-        # 1. each prompt alone
-        refs, rates, decode_rates = {}, [], []
-        for p in prompts:
-            text, n, finish, t0, tf, te = stream_chat(host, port, p, args.tokens, args.api_key, args.timeout)
-            refs[p] = text
-            rates.append(n / (te - t0))
-            if n > 1 and te > tf:
-                decode_rates.append((n - 1) / (te - tf))
-        single = statistics.median(rates)
-        single_decode = statistics.median(decode_rates) if decode_rates else float("nan")
-        print(f"single stream: {single:8.2f} generated tokens/s end to end "
-              f"(median of {len(prompts)}; {single_decode:.2f} tokens/s after the first token), "
+        refs = {}
+        singles, single_decodes, aggregates, ratios = [], [], [], []
+        for rnd in range(args.rounds):
+            # 1. each prompt alone
+            rates, decode_rates = [], []
+            for p in prompts:
+                text, n, finish, t0, tf, te = stream_chat(host, port, p, args.tokens, args.api_key, args.timeout)
+                if p in refs and refs[p] != text:
+                    ok = False
+                    print(f"round {rnd + 1}: the text of {p!r} alone changed between rounds")
+                refs.setdefault(p, text)
+                rates.append(n / (te - t0))
+                if n > 1 and te > tf:
+                    decode_rates.append((n - 1) / (te - tf))
+            single = statistics.median(rates)
+            single_decode = statistics.median(decode_rates) if decode_rates else float("nan")
+
+            # 2. all at once
+            steps0 = metric(host, port, args.api_key, "forward_calls_total")
+            results = [None] * args.requests
+            errors = []
+
+            def worker(i):
+                try:
+                    results[i] = stream_chat(host, port, prompts[i % len(prompts)], args.tokens,
+                                             args.api_key, args.timeout)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(f"request {i}: {e}")
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.requests)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(args.timeout + 60)
+            wall = time.perf_counter() - t0
+            steps = metric(host, port, args.api_key, "forward_calls_total") - steps0
+            done = [r for r in results if r is not None]
+            total = sum(r[1] for r in done)
+            wrong = [i for i, r in enumerate(results)
+                     if r is None or r[0] != refs[prompts[i % len(prompts)]] or r[1] != args.tokens]
+            aggregate = total / wall
+            ratio = aggregate / single
+            print(f"round {rnd + 1}: single stream {single:8.2f} generated tokens/s end to end "
+                  f"(median of {len(prompts)}; {single_decode:.2f} after the first token); "
+                  f"{args.requests} concurrent streams (-np {args.slots}) {aggregate:8.2f} tokens/s "
+                  f"aggregate ({total} tokens in {wall:.2f} s, {int(steps)} forward passes); "
+                  f"ratio {ratio:.2f}x; finished {len(done)}/{args.requests}, text identical to "
+                  f"the stream alone {args.requests - len(wrong)}/{args.requests}")
+            singles.append(single)
+            single_decodes.append(single_decode)
+            aggregates.append(aggregate)
+            ratios.append(ratio)
+            for e in errors:
+                print("error:", e)
+            if wrong:
+                ok = False
+                for i in wrong[:5]:
+                    r = results[i]
+                    print(f"mismatch in request {i}: got {r[0][:80] if r else None!r} "
+                          f"want {refs[prompts[i % len(prompts)]][:80]!r}")
+        single = statistics.median(singles)
+        aggregate = statistics.median(aggregates)
+        ratio = statistics.median(ratios)
+        print(f"single stream: {single:8.2f} generated tokens/s end to end (median of {args.rounds} rounds; "
+              f"{statistics.median(single_decodes):.2f} tokens/s after the first token), "
               f"{args.tokens} tokens per request")
-
-        # 2. all at once
-        steps0 = metric(host, port, args.api_key, "forward_calls_total")
-        results = [None] * args.requests
-        errors = []
-
-        def worker(i):
-            try:
-                results[i] = stream_chat(host, port, prompts[i % len(prompts)], args.tokens,
-                                         args.api_key, args.timeout)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(f"request {i}: {e}")
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.requests)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(args.timeout + 60)
-        wall = time.perf_counter() - t0
-        steps = metric(host, port, args.api_key, "forward_calls_total") - steps0
-        done = [r for r in results if r is not None]
-        total = sum(r[1] for r in done)
-        wrong = [i for i, r in enumerate(results)
-                 if r is None or r[0] != refs[prompts[i % len(prompts)]] or r[1] != args.tokens]
-        aggregate = total / wall
         print(f"{args.requests} concurrent streams (-np {args.slots}): {aggregate:8.2f} generated tokens/s "
-              f"aggregate ({total} tokens in {wall:.2f} s, {int(steps)} forward passes, "
-              f"server decode rate {metric(host, port, args.api_key, 'tokens_per_second'):.2f} tokens/s)")
-        print(f"finished: {len(done)}/{args.requests}; text identical to the stream run alone: "
-              f"{args.requests - len(wrong)}/{args.requests}")
-        ratio = aggregate / single
-        print(f"ratio aggregate / single: {ratio:.2f}x")
-        for e in errors:
-            print("error:", e)
-        if wrong:
-            ok = False
-            for i in wrong[:5]:
-                r = results[i]
-                print(f"mismatch in request {i}: got {r[0][:80] if r else None!r} "
-                      f"want {refs[prompts[i % len(prompts)]][:80]!r}")
+              f"aggregate (median of {args.rounds} rounds)")
+        print(f"ratio aggregate / single: {ratio:.2f}x (median of the rounds' ratios)")
         if ratio < args.min_ratio:
             ok = False
             print(f"ratio below --min-ratio {args.min_ratio}")
