@@ -185,6 +185,12 @@ pub(crate) fn dot_q4k_gemm_ggml(w_row: &[u8], a_row: &[u8]) -> f32 {
 /// (otherwise `round_ties_even` is a library call).
 pub(crate) fn quantize_row_q8k_4x8(x: &[f32], out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 {
+        // SAFETY: AVX-512 F/BW was detected; the lengths are those of the scalar encoder.
+        unsafe { x86::quantize_row_q8k_4x8_avx512(x, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx512) {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn fast(x: &[f32], out: &mut [u8]) {
@@ -252,6 +258,59 @@ pub(crate) fn quantize_rows_q8k_4x8_ggml(x: [&[f32]; 4], out: [&mut [u8]; 4]) {
 pub(crate) mod x86 {
     use super::{Q4K_BYTES, Q8K_BYTES, QK_K};
     use core::arch::x86_64::*;
+
+    /// [`super::quantize_row_q8k_4x8_ggml`] with AVX-512, byte for byte: one group of 16
+    /// quants (one bsum) per register; `cvtps_epi32` rounds half to even as
+    /// `round_ties_even` does. Blocks with non-finite values go to the scalar encoder.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW must be available; `x.len()` is a multiple of 256 and `out` holds
+    /// `x.len() / 256` Q8_K blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(crate) unsafe fn quantize_row_q8k_4x8_avx512(x: &[f32], out: &mut [u8]) {
+        let nb = x.len() / QK_K;
+        debug_assert!(out.len() >= nb * Q8K_BYTES);
+        for b in 0..nb {
+            let xs = x.as_ptr().add(b * QK_K);
+            let o = out.as_mut_ptr().add(b * Q8K_BYTES);
+            let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(xs.add(16 * i)));
+            let mut amax = _mm512_setzero_ps();
+            let mut finite = true;
+            for &vi in &v {
+                let a = _mm512_abs_ps(vi);
+                finite &= _mm512_cmp_ps_mask::<_CMP_LE_OQ>(a, _mm512_set1_ps(f32::MAX)) == 0xffff;
+                amax = _mm512_max_ps(amax, a);
+            }
+            if !finite {
+                super::quantize_row_q8k_4x8_ggml(
+                    &x[b * QK_K..(b + 1) * QK_K],
+                    &mut out[b * Q8K_BYTES..(b + 1) * Q8K_BYTES],
+                );
+                continue;
+            }
+            let amax = _mm512_reduce_max_ps(amax);
+            let (iscale, d) = if amax != 0.0 {
+                let am = _mm512_set1_ps(amax);
+                let pos = v
+                    .iter()
+                    .any(|&vi| _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(vi, am) != 0);
+                let iscale = if pos { -127.0 / amax } else { 127.0 / amax };
+                (iscale, 1.0 / iscale)
+            } else {
+                (0.0, 0.0)
+            };
+            std::ptr::write_unaligned(o as *mut f32, d);
+            let is = _mm512_set1_ps(iscale);
+            let (lo, hi) = (_mm512_set1_epi32(-128), _mm512_set1_epi32(127));
+            for (g, &vi) in v.iter().enumerate() {
+                let q = _mm512_cvtps_epi32(_mm512_mul_ps(vi, is));
+                let q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+                _mm_storeu_si128(o.add(4 + 16 * g) as *mut __m128i, _mm512_cvtepi32_epi8(q));
+                let s = _mm512_reduce_add_epi32(q) as i16;
+                std::ptr::write_unaligned(o.add(4 + QK_K + 2 * g) as *mut i16, s);
+            }
+        }
+    }
 
     /// Unpacked Q4_K super-block: the 8 sub-blocks' 4-bit quants (32 bytes each), each
     /// sub-block scale broadcast to 16 i16 lanes, and the mins duplicated per bsum pair.
@@ -798,6 +857,47 @@ mod simd_tests {
             }
         }
         n
+    }
+
+    /// The AVX-512 4x8 activation encoder writes the scalar encoder's bytes, including the
+    /// sign choice when +amax occurs, all-zero blocks, and blocks with a non-finite value.
+    #[test]
+    fn q8k_4x8_avx512_encoder_bit_exact() {
+        if !crate::kernels::Isa::available().contains(&crate::kernels::Isa::Avx512) {
+            eprintln!("SKIPPED: no AVX-512");
+            return;
+        }
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        for case in 0..300 {
+            let nb = 1 + case % 3;
+            let mag = [1e-3f32, 0.5, 7.0, 300.0][case % 4];
+            let mut x: Vec<f32> = (0..nb * QK_K).map(|_| rng.f() * mag).collect();
+            match case % 6 {
+                // +amax present (and -amax too): the negative scale
+                1 => {
+                    x[3] = 9.0 * mag;
+                    x[200] = -9.0 * mag;
+                }
+                // only -amax: the positive scale
+                2 => x[17] = -9.0 * mag,
+                3 => x[..QK_K].iter_mut().for_each(|v| *v = 0.0),
+                // ties at .5 after scaling
+                4 => {
+                    x[0] = 127.0;
+                    for (i, v) in x[1..QK_K].iter_mut().enumerate() {
+                        *v = (i % 254) as f32 - 126.5;
+                    }
+                }
+                5 if nb > 1 => x[QK_K + 5] = f32::INFINITY,
+                _ => {}
+            }
+            let mut want = vec![0u8; nb * Q8K_BYTES];
+            let mut got = vec![0xAAu8; nb * Q8K_BYTES];
+            quantize_row_q8k_4x8_ggml(&x, &mut want);
+            // SAFETY: AVX-512 was detected; the sizes match.
+            unsafe { x86::quantize_row_q8k_4x8_avx512(&x, &mut got) };
+            assert_eq!(got, want, "case {case}");
+        }
     }
 
     #[test]
