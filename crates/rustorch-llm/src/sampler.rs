@@ -757,12 +757,14 @@ impl Sampler {
                 (!logits.is_empty()).then(|| argmax(logits))
             } else {
                 self.run_adjust(logits, &mut c);
-                let best = c.data.iter().enumerate().fold(None, |b: Option<usize>, (i, t)| {
-                    match b {
-                        Some(j) if c.data[j].logit >= t.logit => Some(j),
-                        _ => Some(i),
-                    }
-                });
+                let best =
+                    c.data
+                        .iter()
+                        .enumerate()
+                        .fold(None, |b: Option<usize>, (i, t)| match b {
+                            Some(j) if c.data[j].logit >= t.logit => Some(j),
+                            _ => Some(i),
+                        });
                 best.map(|i| c.data[i].id)
             };
             if token.is_some() {

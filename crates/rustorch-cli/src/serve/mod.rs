@@ -142,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
 
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(1)
         .thread_name("rustorch-http")
         .enable_all()
         .build()

@@ -55,7 +55,7 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
     let hd = h.q.len();
     debug_assert_eq!(out.len(), hd);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd < 128 && hd % 16 == 0 {
+    if isa == Isa::Avx512 && hd < 128 && hd.is_multiple_of(16) {
         // SAFETY: the family was detected; `hd` is a multiple of 16 below 128.
         unsafe { x86::attend_head_regs(h, out) };
         return;

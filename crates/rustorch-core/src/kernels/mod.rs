@@ -405,7 +405,8 @@ fn matmul_fused(
 /// `gate = silu(gate) * up` over rows of `n` values, split over the pool for large inputs.
 fn swiglu_rows(pool: &ThreadPool, isa: Isa, gate: &mut [f32], up: &[f32], n: usize) {
     let n_tok = gate.len() / n.max(1);
-    if n_tok < 4 {
+    // a few short rows cost less than a round trip through the pool
+    if n_tok < 4 || gate.len() < 32 * 1024 {
         gexp::swiglu(isa, gate, up, n);
         return;
     }

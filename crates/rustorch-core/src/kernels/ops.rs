@@ -53,6 +53,22 @@ impl Rope {
 
     /// Rotates one head vector in place with precomputed angles.
     pub fn apply(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx512) {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn with_fma(r: &Rope, head: &mut [f32], cos: &[f32], sin: &[f32]) {
+                r.apply_portable(head, cos, sin)
+            }
+            // SAFETY: the family (which includes FMA) was detected. Same operations; the
+            // fused multiply-adds become instructions instead of library calls.
+            unsafe { with_fma(self, head, cos, sin) };
+            return;
+        }
+        self.apply_portable(head, cos, sin)
+    }
+
+    #[inline(always)]
+    fn apply_portable(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
         let half = self.n_rot / 2;
         match self.mode {
             RopeMode::Normal => {

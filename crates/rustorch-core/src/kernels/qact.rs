@@ -131,7 +131,8 @@ impl QActs {
             }
         };
         match pool {
-            Some(p) if p.n_threads() > 1 && n_rows >= 8 => {
+            // a few short rows cost less than a round trip through the pool
+            Some(p) if p.n_threads() > 1 && n_rows >= 8 && x.len() >= 32 * 1024 => {
                 let per = n_rows.div_ceil(p.n_threads() * 2).max(1);
                 let n_tasks = n_rows.div_ceil(per);
                 p.run(n_tasks, &|t| work(t * per, ((t + 1) * per).min(n_rows)));
