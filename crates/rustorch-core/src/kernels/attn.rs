@@ -82,15 +82,9 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
         }
         let base = c * h.stride + h.offset;
         let s = dot_f16(isa, &h.k[base..base + hd], q16) * h.scale;
-        let mut ms = 1.0f32;
-        let mut vs = 1.0f32;
-        if s > m {
-            let m_old = m;
-            m = s;
-            ms = (m_old - m).exp();
+        let (ms, vs, new_max) = online_step(&mut m, s);
+        if new_max {
             scale_f16(isa, acc, ms);
-        } else {
-            vs = (s - m).exp();
         }
         mad_f16(isa, acc, &h.v[base..base + hd], vs);
         sum = sum.mul_add(ms, vs);
@@ -98,6 +92,21 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for (o, &a) in out.iter_mut().zip(acc.iter()) {
         *o = f16_to_f32(a) * inv;
+    }
+}
+
+/// One step of the online softmax for a new score `s` against the running maximum `m`:
+/// on a new maximum `m` becomes `s`, the accumulator is to be scaled by
+/// `ms = expf(m_old - s)` and the value's weight `vs` is 1; otherwise `ms` is 1 and
+/// `vs = expf(s - m)`. Returns `(ms, vs, new maximum)`.
+#[inline(always)]
+pub(crate) fn online_step(m: &mut f32, s: f32) -> (f32, f32, bool) {
+    if s > *m {
+        let ms = (*m - s).exp();
+        *m = s;
+        (ms, 1.0, true)
+    } else {
+        (1.0, (s - *m).exp(), false)
     }
 }
 
@@ -286,18 +295,12 @@ mod x86 {
             }
             let base = c * h.stride + h.offset;
             let s = super::dot_f16(super::Isa::Avx512, &h.k[base..base + hd], &q16[..hd]) * h.scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > m {
-                let m_old = m;
-                m = s;
-                ms = (m_old - m).exp();
+            let (ms, vs, new_max) = super::online_step(&mut m, s);
+            if new_max {
                 let v = _mm512_set1_ps(ms);
                 for a in acc.iter_mut().take(nv) {
                     *a = round(_mm512_mul_ps(*a, v));
                 }
-            } else {
-                vs = (s - m).exp();
             }
             let vv = _mm512_set1_ps(vs);
             let vrow = h.v[base..base + hd].as_ptr();

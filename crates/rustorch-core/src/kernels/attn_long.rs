@@ -83,16 +83,11 @@ pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
             s += a * f16_to_f32(*b);
         }
         let s = s * h.scale;
-        let mut ms = 1.0f32;
-        let mut vs = 1.0f32;
-        if s > m {
-            ms = (m - s).exp();
-            m = s;
+        let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
+        if new_max {
             for a in acc.iter_mut() {
                 *a = f32_to_f16(f16_to_f32(*a) * ms);
             }
-        } else {
-            vs = (s - m).exp();
         }
         for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
             *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
@@ -124,15 +119,11 @@ fn attend_scalar_large(h: &HeadAttn<'_>, out: &mut [f32]) {
             s += a * f16_to_f32(*b);
         }
         let s = s * h.scale;
-        let (mut ms, mut vs) = (1.0f32, 1.0f32);
-        if s > m {
-            ms = (m - s).exp();
-            m = s;
+        let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
+        if new_max {
             for a in acc.iter_mut() {
                 *a = f32_to_f16(f16_to_f32(*a) * ms);
             }
-        } else {
-            vs = (s - m).exp();
         }
         for (a, b) in acc.iter_mut().zip(&h.v[base..base + hd]) {
             *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b) * vs);
@@ -197,17 +188,12 @@ mod x86 {
                 s0 = _mm512_fmadd_ps(q[i], k0, s0);
             }
             let s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > m {
-                ms = (m - s).exp();
-                m = s;
+            let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
+            if new_max {
                 let msv = _mm512_set1_ps(ms);
                 for a in acc.iter_mut().take(nv) {
                     *a = _mm512_cvtph_ps(_mm512_cvtps_ph::<RNE>(_mm512_mul_ps(*a, msv)));
                 }
-            } else {
-                vs = (s - m).exp();
             }
             let vsv = _mm512_set1_ps(vs);
             for (i, a) in acc.iter_mut().enumerate().take(nv) {
@@ -560,18 +546,13 @@ mod x86 {
                 s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
             }
             let s = hsum(_mm256_add_ps(s0, s1)) * h.scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > m {
-                ms = (m - s).exp();
-                m = s;
+            let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
+            if new_max {
                 let msv = _mm256_set1_ps(ms);
                 for i in 0..nv {
                     let a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), msv);
                     _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(a)));
                 }
-            } else {
-                vs = (s - m).exp();
             }
             let vsv = _mm256_set1_ps(vs);
             for i in 0..nv {

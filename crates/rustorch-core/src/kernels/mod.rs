@@ -635,9 +635,7 @@ fn x86_q4k_panels(
         .chunks_exact(GgmlType::Q8_K.type_size())
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let rb = w.row_bytes();
     let pbytes = nb * fmt::panel_block_bytes(fmt::Q4_K);
-    let n_panels = n_rows.div_ceil(fmt::PANEL);
     let dst = SendPtr(out.as_mut_ptr());
     let act = |t: usize| ActRow {
         q: acts[t * arb..].as_ptr(),
@@ -645,24 +643,21 @@ fn x86_q4k_panels(
         s: std::ptr::null(),
         isum: std::ptr::null(),
     };
-    pool.run(n_panels, &|p| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
-        let base = w.data.as_ptr();
-        PANEL_BUF.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            if buf.len() < pbytes {
-                buf.resize(pbytes, 0);
-            }
-            let r0 = p * fmt::PANEL;
-            let nvalid = (n_rows - r0).min(fmt::PANEL);
-            let rows: [*const u8; fmt::PANEL] =
-                std::array::from_fn(|i| base.wrapping_add((r0 + i).min(n_rows - 1) * rb));
-            // SAFETY: AVX-512 was detected; rows exist; the panel buffer holds `pbytes`; a
-            // tile writes outputs (t, r0..r0+nvalid) of its own valid tokens only.
+    // AVX-512, which the packing needs, was detected by the caller.
+    for_each_panel(
+        pool,
+        w,
+        nb,
+        pbytes,
+        x86::pack_panel::<{ fmt::Q4_K }>,
+        true,
+        &|panel, r0, nvalid| {
+            #[allow(clippy::redundant_locals)]
+            // capture the whole Send wrapper, not its raw-pointer field
+            let dst = dst;
+            // SAFETY: AVX-512 was detected; the panel holds `pbytes`; a tile writes outputs
+            // (t, r0..r0+nvalid) of its own valid tokens only.
             unsafe {
-                x86::pack_panel::<{ fmt::Q4_K }>(&rows, nb, true, buf.as_mut_ptr());
                 let mut t0 = 0;
                 while t0 < n_tok {
                     let (end, gemm) = if t0 < n_gemm {
@@ -680,15 +675,15 @@ fn x86_q4k_panels(
                         ostride: n_rows,
                     };
                     if gemm {
-                        x86::avx512::gemm_q4k_exact::<4, true>(buf.as_ptr(), nb, tile, nvalid);
+                        x86::avx512::gemm_q4k_exact::<4, true>(panel, nb, tile, nvalid);
                     } else {
-                        x86::avx512::gemm_q4k_exact::<4, false>(buf.as_ptr(), nb, tile, nvalid);
+                        x86::avx512::gemm_q4k_exact::<4, false>(panel, nb, tile, nvalid);
                     }
                     t0 += nt;
                 }
             }
-        });
-    });
+        },
+    );
 }
 
 /// Q6_K weights against 8 or more activation rows, as llama.cpp's tiled K-quant kernel
@@ -847,6 +842,40 @@ thread_local! {
 
 #[cfg(target_arch = "x86_64")]
 type PackFn = unsafe fn(&[*const u8; fmt::PANEL], usize, bool, *mut u8);
+
+/// Runs `f(panel, first row, valid rows)` for every 16-row panel of `w`, split over the
+/// pool; each panel is packed once (`pack(rows, nblk, flag, ..)`, `pbytes` bytes) into the
+/// thread's panel buffer. The last panel repeats its last row; only `valid rows` count.
+/// The caller must have detected the CPU features `pack` needs.
+#[cfg(target_arch = "x86_64")]
+fn for_each_panel(
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    nblk: usize,
+    pbytes: usize,
+    pack: PackFn,
+    flag: bool,
+    f: &(dyn Fn(*const u8, usize, usize) + Sync),
+) {
+    let n_rows = w.n_rows;
+    let rb = w.row_bytes();
+    pool.run(n_rows.div_ceil(fmt::PANEL), &|p| {
+        let base = w.data.as_ptr();
+        PANEL_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < pbytes {
+                buf.resize(pbytes, 0);
+            }
+            let r0 = p * fmt::PANEL;
+            let nvalid = (n_rows - r0).min(fmt::PANEL);
+            let rows: [*const u8; fmt::PANEL] =
+                std::array::from_fn(|i| base.wrapping_add((r0 + i).min(n_rows - 1) * rb));
+            // SAFETY: the rows exist; the buffer holds `pbytes`; the features were detected.
+            unsafe { pack(&rows, nblk, flag, buf.as_mut_ptr()) };
+            f(buf.as_ptr(), r0, nvalid);
+        });
+    });
+}
 #[cfg(target_arch = "x86_64")]
 type Gemm512Fn = unsafe fn(*const u8, usize, fmt::Tile, usize);
 #[cfg(target_arch = "x86_64")]
@@ -1034,55 +1063,41 @@ fn x86_gemm(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
     };
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
-    let rb = w.row_bytes();
     let nblk = w.n_cols / fmt::block_len(f);
     let pbytes = nblk * fmt::panel_block_bytes(f);
-    let n_panels = n_rows.div_ceil(fmt::PANEL);
     let dst = SendPtr(out.as_mut_ptr());
     let avx512 = isa == Isa::Avx512;
-    pool.run(n_panels, &|p| {
+    for_each_panel(pool, w, nblk, pbytes, pack, avx512, &|panel, r0, nvalid| {
         #[allow(clippy::redundant_locals)]
         // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
-        let base = w.data.as_ptr();
-        PANEL_BUF.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            if buf.len() < pbytes {
-                buf.resize(pbytes, 0);
-            }
-            let r0 = p * fmt::PANEL;
-            let nvalid = (n_rows - r0).min(fmt::PANEL);
-            let rows: [*const u8; fmt::PANEL] =
-                std::array::from_fn(|i| base.wrapping_add((r0 + i).min(n_rows - 1) * rb));
-            // SAFETY: rows exist; the panel buffer holds `pbytes`; a tile writes outputs
-            // (t, r0..r0+nvalid) of its own valid tokens only.
-            unsafe {
-                pack(&rows, nblk, avx512, buf.as_mut_ptr());
-                let step = if avx512 { 8 } else { 4 };
-                for t0 in (0..n_tok).step_by(step) {
-                    let tile = fmt::Tile {
-                        a: act_row(qa, t0),
-                        row_bytes: qa.row_bytes,
-                        nb: qa.nb,
-                        nt: (n_tok - t0).min(step),
-                        out: dst.0.add(t0 * n_rows + r0),
-                        ostride: n_rows,
-                    };
-                    if avx512 {
-                        k512(buf.as_ptr(), nblk, tile, nvalid);
-                    } else {
-                        k2(buf.as_ptr(), 0, nblk, tile, nvalid.min(8));
-                        if nvalid > 8 {
-                            let hi = fmt::Tile {
-                                out: tile.out.add(8),
-                                ..tile
-                            };
-                            k2(buf.as_ptr(), 1, nblk, hi, nvalid - 8);
-                        }
+        // SAFETY: the panel holds `pbytes`; a tile writes outputs (t, r0..r0+nvalid) of its
+        // own valid tokens only.
+        unsafe {
+            let step = if avx512 { 8 } else { 4 };
+            for t0 in (0..n_tok).step_by(step) {
+                let tile = fmt::Tile {
+                    a: act_row(qa, t0),
+                    row_bytes: qa.row_bytes,
+                    nb: qa.nb,
+                    nt: (n_tok - t0).min(step),
+                    out: dst.0.add(t0 * n_rows + r0),
+                    ostride: n_rows,
+                };
+                if avx512 {
+                    k512(panel, nblk, tile, nvalid);
+                } else {
+                    k2(panel, 0, nblk, tile, nvalid.min(8));
+                    if nvalid > 8 {
+                        let hi = fmt::Tile {
+                            out: tile.out.add(8),
+                            ..tile
+                        };
+                        k2(panel, 1, nblk, hi, nvalid - 8);
                     }
                 }
             }
-        });
+        }
     });
 }
 
