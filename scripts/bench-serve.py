@@ -13,6 +13,7 @@ bounded in count and time. Exit status 1 when a stream is wrong or missing, or
 the ratio is below --min-ratio.
 
   scripts/bench-serve.py                     # -np 8, 32 requests of 64 tokens
+  scripts/bench-serve.py --no-prefix-sharing # every prompt evaluated in full
   scripts/bench-serve.py --slots 4 --requests 16 --tokens 32 --threads 2
 """
 
@@ -95,6 +96,8 @@ def start_server(args):
            "-np", str(args.slots), "-c", str(args.ctx), "--queue-size", str(args.requests)]
     if args.threads:
         cmd += ["-t", str(args.threads)]
+    if args.no_prefix_sharing:
+        cmd += ["--no-prefix-sharing"]
     env = {k: v for k, v in os.environ.items() if k != "RUSTORCH_API_KEY"}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -152,6 +155,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternate the single-stream and concurrent phases this many times; "
                          "medians are reported")
+    ap.add_argument("--no-prefix-sharing", action="store_true",
+                    help="start the server with --no-prefix-sharing (every prompt evaluated in full)")
     ap.add_argument("--min-ratio", type=float, default=0.0,
                     help="fail when aggregate/single is below this")
     args = ap.parse_args()
@@ -187,6 +192,8 @@ def main():
 
             # 2. all at once
             steps0 = metric(host, port, args.api_key, "forward_calls_total")
+            shared0 = metric(host, port, args.api_key, "prompt_tokens_shared_total")
+            prompt0 = metric(host, port, args.api_key, "prompt_tokens_total")
             results = [None] * args.requests
             errors = []
 
@@ -205,6 +212,8 @@ def main():
                 t.join(args.timeout + 60)
             wall = time.perf_counter() - t0
             steps = metric(host, port, args.api_key, "forward_calls_total") - steps0
+            shared = metric(host, port, args.api_key, "prompt_tokens_shared_total") - shared0
+            evaluated = metric(host, port, args.api_key, "prompt_tokens_total") - prompt0
             done = [r for r in results if r is not None]
             total = sum(r[1] for r in done)
             wrong = [i for i, r in enumerate(results)
@@ -214,7 +223,9 @@ def main():
             print(f"round {rnd + 1}: single stream {single:8.2f} generated tokens/s end to end "
                   f"(median of {len(prompts)}; {single_decode:.2f} after the first token); "
                   f"{args.requests} concurrent streams (-np {args.slots}) {aggregate:8.2f} tokens/s "
-                  f"aggregate ({total} tokens in {wall:.2f} s, {int(steps)} forward passes); "
+                  f"aggregate ({total} tokens in {wall:.2f} s, {int(steps)} forward passes, "
+                  f"{evaluated:.0f} prompt tokens evaluated and {shared:.0f} copied from a request "
+                  f"that begins alike); "
                   f"ratio {ratio:.2f}x; finished {len(done)}/{args.requests}, text identical to "
                   f"the stream alone {args.requests - len(wrong)}/{args.requests}")
             singles.append(single)

@@ -2,8 +2,9 @@
 //! `cargo bench -p rustorch-core --bench kernels -- [filter] [--threads N]`
 //!
 //! For each weight type: GEMV (one activation row) on a cache-resident matrix and on a
-//! DRAM-sized one (GB/s of weights streamed), and the packed GEMM with 512 rows
-//! (GMAC/s), for every kernel family the CPU has. Also the activation quantizers.
+//! DRAM-sized one (GB/s of weights streamed), the packed GEMM with 8 rows (a decode step of
+//! eight sequences) on the cache-resident matrix and with 512 rows (GMAC/s), for every kernel
+//! family the CPU has. Also the activation quantizers.
 
 use std::time::Instant;
 
@@ -73,8 +74,10 @@ fn main() {
     let pool = ThreadPool::new(threads);
     let isas = Isa::available();
     println!("threads {threads}, families {isas:?}");
-    println!("| type | family | gemv L2 (GMAC/s) | gemv DRAM (GB/s) | gemm 512 tok (GMAC/s) |");
-    println!("| --- | --- | ---: | ---: | ---: |");
+    println!(
+        "| type | family | gemv L2 (GMAC/s) | gemv DRAM (GB/s) | gemm 8 tok L2 (GMAC/s) | gemm 512 tok (GMAC/s) |"
+    );
+    println!("| --- | --- | ---: | ---: | ---: | ---: |");
     let types = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
@@ -113,6 +116,7 @@ fn main() {
         };
         let x1 = rand_f32(cols, 1);
         let xp = rand_f32(cols * 512, 2);
+        let x8 = rand_f32(cols * 8, 4);
         for &isa in &isas {
             let mut qa1 = QActs::new();
             qa1.quantize(None, isa, vec_dot_type(ty), &x1, cols)
@@ -122,6 +126,9 @@ fn main() {
                 .unwrap();
             let mut out_s = vec![0f32; small_rows];
             let mut out_b = vec![0f32; big_rows];
+            let mut qa8 = QActs::new();
+            qa8.quantize(None, isa, vec_dot_type(ty), &x8, cols)
+                .unwrap();
             let mut out_p = vec![0f32; small_rows * 512];
             let reps = if isa == Isa::Scalar { 3 } else { 21 };
             let t_small = time(reps * 5, || {
@@ -135,12 +142,16 @@ fn main() {
             } else {
                 MatmulPath::Gemm
             };
+            let t_gemm8 = time(reps * 5, || {
+                matmul_q(&pool, isa, gemm_path, &ms, &qa8, &mut out_p)
+            });
             let t_gemm = time(3, || matmul_q(&pool, isa, gemm_path, &ms, &qap, &mut out_p));
             println!(
-                "| {ty} | {} | {:.1} | {:.2} | {:.1} |",
+                "| {ty} | {} | {:.1} | {:.2} | {:.1} | {:.1} |",
                 isa.name(),
                 (small_rows * cols) as f64 / t_small / 1e9,
                 wb.len() as f64 / t_big / 1e9,
+                (small_rows * cols * 8) as f64 / t_gemm8 / 1e9,
                 (small_rows * cols * 512) as f64 / t_gemm / 1e9
             );
         }

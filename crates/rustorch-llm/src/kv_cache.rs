@@ -159,6 +159,61 @@ impl KvCache {
         }
     }
 
+    /// Gives `dst` a copy of the cells of `src` with position in `p0..p1` (`None` =
+    /// unbounded), after removing what `dst` held at those positions, like
+    /// `llama_memory_seq_cp`. Fails, changing nothing, when the cache has no room for them.
+    pub fn seq_cp_range(
+        &mut self,
+        src: SeqId,
+        dst: SeqId,
+        p0: Option<u32>,
+        p1: Option<u32>,
+    ) -> Result<(), KvCacheError> {
+        if src == dst {
+            return Ok(());
+        }
+        let d = self.kv_dim;
+        let in_range = |p: u32| p0.is_none_or(|a| p >= a) && p1.is_none_or(|b| p < b);
+        let picked: Vec<usize> = match self.seqs.get(&src) {
+            Some(s) => (0..s.pos.len()).filter(|&i| in_range(s.pos[i])).collect(),
+            None => return Ok(()),
+        };
+        let freed = self
+            .seqs
+            .get(&dst)
+            .map_or(0, |s| s.pos.iter().filter(|&&p| in_range(p)).count());
+        self.check_room(picked.len().saturating_sub(freed))?;
+        self.seq_rm(dst, p0, p1);
+        let Some(s) = self.seqs.get(&src) else {
+            return Ok(());
+        };
+        let mut copy = SeqCells {
+            pos: picked.iter().map(|&i| s.pos[i]).collect(),
+            k: vec![Vec::with_capacity(picked.len() * d); self.n_layer],
+            v: vec![Vec::with_capacity(picked.len() * d); self.n_layer],
+        };
+        for l in 0..self.n_layer {
+            for &i in &picked {
+                copy.k[l].extend_from_slice(&s.k[l][i * d..(i + 1) * d]);
+                copy.v[l].extend_from_slice(&s.v[l][i * d..(i + 1) * d]);
+            }
+        }
+        match self.seqs.get_mut(&dst) {
+            Some(t) => {
+                t.pos.extend_from_slice(&copy.pos);
+                for l in 0..copy.k.len() {
+                    t.k[l].extend_from_slice(&copy.k[l]);
+                    t.v[l].extend_from_slice(&copy.v[l]);
+                }
+            }
+            None if !copy.pos.is_empty() => {
+                self.seqs.insert(dst, copy);
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
     /// Shifts positions in `p0..p1` of `seq` by `delta`, re-rotating the stored keys with
     /// `rotate(key_row, old_pos, new_pos)` (RoPE is additive in the angle). Cells whose
     /// position would become negative are removed.
@@ -224,4 +279,56 @@ fn retain_cells(s: &mut SeqCells, keep: &[bool], d: usize) {
     }
     let mut it = keep.iter();
     s.pos.retain(|_| *it.next().unwrap_or(&true));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(n_ctx: usize) -> KvCache {
+        let mut c = KvCache::new(2, 4, n_ctx);
+        for p in 0..5u32 {
+            let cell = c.add_cell(0, p);
+            for l in 0..2 {
+                let k = [p as f32, l as f32, 1.0, 2.0];
+                let v = [-(p as f32), l as f32, 3.0, 4.0];
+                c.write(0, cell, l, &k, &v);
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn seq_cp_range_copies_the_cells_of_a_position_range() {
+        let mut c = filled(16);
+        c.add_cell(1, 7);
+        c.add_cell(1, 1);
+        c.seq_cp_range(0, 1, None, Some(3)).unwrap();
+        let (src, dst) = (c.seq(0).unwrap(), c.seq(1).unwrap());
+        // the old cell at position 1 was replaced; position 7 kept
+        assert_eq!(dst.pos, vec![7, 0, 1, 2]);
+        for l in 0..2 {
+            assert_eq!(dst.k[l][4..], src.k[l][..12]);
+            assert_eq!(dst.v[l][4..], src.v[l][..12]);
+        }
+        assert_eq!(c.used(), 9);
+    }
+
+    #[test]
+    fn seq_cp_range_without_room_changes_nothing() {
+        let mut c = filled(7);
+        let before = c.clone().seqs;
+        assert_eq!(
+            c.seq_cp_range(0, 2, None, Some(3)),
+            Err(KvCacheError::Full {
+                n_ctx: 7,
+                used: 5,
+                needed: 3
+            })
+        );
+        assert_eq!(c.seqs.len(), before.len());
+        assert!(c.seq(2).is_none());
+        c.seq_cp_range(0, 2, Some(3), None).unwrap();
+        assert_eq!(c.seq(2).unwrap().pos, vec![3, 4]);
+    }
 }

@@ -10,20 +10,40 @@
 //!
 //! 1. drops slots whose sink is closed (the client went away) and admits waiting
 //!    requests into free slots;
-//! 2. builds ONE [`Batch`]: one token for every generating slot, then the next chunk of
+//! 2. lets new requests reuse the cells of prompt tokens already evaluated (see *Shared
+//!    prompt beginnings* below);
+//! 3. builds ONE [`Batch`]: one token for every generating slot, then the next chunk of
 //!    the prompt of every slot still evaluating its prompt, up to `n_batch` tokens. Each
 //!    token carries its slot's own position (the count of tokens that slot has fed so
 //!    far), never one derived from the cache;
-//! 3. calls [`Model::forward`] once;
-//! 4. samples, for every slot that got logits, with the slot's own [`Sampler`], and
+//! 4. calls [`Model::forward`] once;
+//! 5. samples, for every slot that got logits, with the slot's own [`Sampler`], and
 //!    streams the text through a [`TextStream`] (UTF-8 safe, stop strings held back and
 //!    cut) to the slot's sink;
-//! 5. finishes slots that produced an end-of-generation token, a stop string, reached
+//! 6. finishes slots that produced an end-of-generation token, a stop string, reached
 //!    their token limit or filled their share of the context, and releases their cache
 //!    cells.
 //!
 //! Because the forward pass computes every token independently of the other tokens of
 //! the batch, greedy output is the same whether a request ran alone or with others.
+//!
+//! # Shared prompt beginnings
+//!
+//! A token's keys and values depend only on the tokens before it, so requests whose
+//! prompts begin alike (the same system prompt, say) need not each evaluate that
+//! beginning. When [`SchedulerConfig::share_prefixes`] is on (the default), a request
+//! that has not started its prompt yet:
+//!
+//! - copies the cells of the longest beginning it shares with the evaluated prompt of a
+//!   live slot ([`KvCache::seq_cp_range`]);
+//! - otherwise, when it shares a beginning with other requests that start in the same
+//!   step, one of them evaluates that beginning alone in a forward call of its own and
+//!   the others copy its cells.
+//!
+//! At least [`MIN_SHARED_PREFIX`] tokens are shared, and never a prompt's last token
+//! (its logits give the first generated token). The cells are copies: every slot still
+//! releases its own when it finishes, and the output is bit for bit what the request
+//! would have produced alone.
 //!
 //! Nothing here prints; progress is reported through `tracing`.
 
@@ -53,6 +73,9 @@ pub struct SchedulerConfig {
     /// Most requests waiting for a slot; more are refused with
     /// [`SubmitError::QueueFull`].
     pub queue_capacity: usize,
+    /// Requests whose prompts begin alike evaluate that beginning once (see the module
+    /// documentation).
+    pub share_prefixes: bool,
 }
 
 impl SchedulerConfig {
@@ -65,6 +88,7 @@ impl SchedulerConfig {
             n_ctx,
             n_batch: DEFAULT_N_BATCH,
             queue_capacity: 4 * n_slots,
+            share_prefixes: true,
         }
     }
 
@@ -198,6 +222,9 @@ pub struct SchedulerStats {
     pub requests_rejected: u64,
     /// Prompt tokens evaluated.
     pub prompt_tokens_total: u64,
+    /// Prompt tokens not evaluated because their cells were copied from another
+    /// sequence that shares the prompt's beginning.
+    pub prompt_tokens_shared_total: u64,
     /// Tokens generated (end-of-generation tokens excepted, as in `usage`).
     pub generated_tokens_total: u64,
     /// Tokens sampled after evaluating a generated token (the first token of each
@@ -235,6 +262,7 @@ struct Counters {
     requests_finished: AtomicU64,
     requests_rejected: AtomicU64,
     prompt_tokens: AtomicU64,
+    prompt_tokens_shared: AtomicU64,
     generated_tokens: AtomicU64,
     decode_tokens: AtomicU64,
     decode_nanos: AtomicU64,
@@ -305,17 +333,7 @@ impl Scheduler {
             accepting: AtomicBool::new(true),
         });
         let n_vocab = model.hparams().n_vocab;
-        let engine = Engine {
-            cache: model.new_cache(config.n_ctx),
-            slots: (0..config.n_slots).map(|_| None).collect(),
-            slot_ctx: config.slot_ctx(),
-            n_batch: config.n_batch,
-            n_vocab,
-            model,
-            tokenizer,
-            rt,
-            shared: shared.clone(),
-        };
+        let engine = Engine::new(model, tokenizer, rt, &config, shared.clone());
         tracing::info!(
             n_slots = config.n_slots,
             n_ctx = config.n_ctx,
@@ -400,6 +418,7 @@ impl Scheduler {
             requests_finished: c.requests_finished.load(Ordering::Relaxed),
             requests_rejected: c.requests_rejected.load(Ordering::Relaxed),
             prompt_tokens_total: c.prompt_tokens.load(Ordering::Relaxed),
+            prompt_tokens_shared_total: c.prompt_tokens_shared.load(Ordering::Relaxed),
             generated_tokens_total: c.generated_tokens.load(Ordering::Relaxed),
             decode_tokens_total: c.decode_tokens.load(Ordering::Relaxed),
             decode_time: Duration::from_nanos(c.decode_nanos.load(Ordering::Relaxed)),
@@ -495,11 +514,41 @@ struct Engine {
     slots: Vec<Option<Slot>>,
     slot_ctx: usize,
     n_batch: usize,
+    share_prefixes: bool,
     n_vocab: usize,
     shared: Arc<Shared>,
 }
 
+/// Fewest prompt tokens that a request takes from another sequence's cells.
+pub const MIN_SHARED_PREFIX: usize = 8;
+
+/// Length of the common beginning of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 impl Engine {
+    fn new(
+        model: Arc<Model>,
+        tokenizer: Arc<Tokenizer>,
+        rt: Runtime,
+        config: &SchedulerConfig,
+        shared: Arc<Shared>,
+    ) -> Self {
+        Engine {
+            cache: model.new_cache(config.n_ctx),
+            slots: (0..config.n_slots).map(|_| None).collect(),
+            slot_ctx: config.slot_ctx(),
+            n_batch: config.n_batch,
+            share_prefixes: config.share_prefixes,
+            n_vocab: model.hparams().n_vocab,
+            model,
+            tokenizer,
+            rt,
+            shared,
+        }
+    }
+
     fn run(mut self) {
         let mut batch = Batch::new();
         loop {
@@ -697,6 +746,9 @@ impl Engine {
                 self.drop_abandoned(i);
             }
         }
+        if self.share_prefixes {
+            self.share_prompt_prefixes(batch);
+        }
         batch.clear();
         let mut entries: Vec<Entry> = Vec::new();
         // one token for every generating slot
@@ -787,6 +839,127 @@ impl Engine {
                 .counters
                 .decode_nanos
                 .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Slot `i` takes the cells of positions `0..n` of sequence `src` as its first `n`
+    /// prompt tokens; false (and nothing changes) when the cache has no room for them.
+    fn take_prefix(&mut self, i: usize, src: SeqId, n: usize) -> bool {
+        let Some(Some(s)) = self.slots.get(i) else {
+            return false;
+        };
+        if self
+            .cache
+            .seq_cp_range(src, s.seq, None, Some(n as u32))
+            .is_err()
+        {
+            return false;
+        }
+        if let Some(Some(s)) = self.slots.get_mut(i) {
+            s.n_fed = n;
+            s.n_past = n;
+        }
+        self.shared
+            .counters
+            .prompt_tokens_shared
+            .fetch_add(n as u64, Ordering::Relaxed);
+        true
+    }
+
+    /// Gives requests that have not started their prompt the cells of the beginning they
+    /// share with a live slot's evaluated prompt, or with other new requests (evaluated
+    /// once, by one of them, in a forward call of its own). See the module documentation.
+    fn share_prompt_prefixes(&mut self, batch: &mut Batch) {
+        let prompt = |s: &Slot| s.req.prompt.clone();
+        let mut fresh: Vec<(u64, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let s = s.as_ref()?;
+                (s.n_fed == 0 && s.next.is_none()).then_some((s.id, i))
+            })
+            .collect();
+        if fresh.is_empty() {
+            return;
+        }
+        fresh.sort_unstable();
+        let mut waiting = Vec::new();
+        for &(_, i) in &fresh {
+            let Some(Some(slot)) = self.slots.get(i) else {
+                continue;
+            };
+            let p = prompt(slot);
+            let limit = p.len().saturating_sub(1);
+            // the longest beginning already evaluated by a live slot
+            let best = self
+                .slots
+                .iter()
+                .flatten()
+                .filter(|o| o.n_fed > 0)
+                .map(|o| {
+                    (
+                        common_prefix(&o.req.prompt[..o.n_fed], &p).min(limit),
+                        o.seq,
+                    )
+                })
+                .max_by_key(|&(n, _)| n);
+            match best {
+                Some((n, src)) if n >= MIN_SHARED_PREFIX && self.take_prefix(i, src, n) => {}
+                _ => waiting.push((i, p)),
+            }
+        }
+        // new requests among themselves: the oldest evaluates what it shares with the others
+        let mut taken = vec![false; waiting.len()];
+        for a in 0..waiting.len() {
+            if taken[a] {
+                continue;
+            }
+            let pa = &waiting[a].1;
+            let mut n = pa.len().saturating_sub(1).min(self.n_batch);
+            let mut group = Vec::new();
+            for b in a + 1..waiting.len() {
+                let pb = &waiting[b].1;
+                let c = common_prefix(pa, pb).min(pb.len().saturating_sub(1));
+                if !taken[b] && c >= MIN_SHARED_PREFIX {
+                    group.push(b);
+                    n = n.min(c);
+                }
+            }
+            if group.is_empty() || n < MIN_SHARED_PREFIX {
+                continue;
+            }
+            let Some(Some(leader)) = self.slots.get(waiting[a].0) else {
+                continue;
+            };
+            let seq = leader.seq;
+            batch.clear();
+            for (k, &t) in pa[..n].iter().enumerate() {
+                batch.push(t, k as u32, seq, false);
+            }
+            let t0 = Instant::now();
+            let out = self.model.forward(batch, &mut self.cache, &self.rt);
+            let c = &self.shared.counters;
+            c.steps.fetch_add(1, Ordering::Relaxed);
+            c.forward_nanos
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if let Err(e) = out {
+                // the regular step evaluates these prompts (and reports what fails)
+                tracing::debug!(error = %e, "evaluating a shared prompt beginning failed");
+                self.cache.seq_rm(seq, None, None);
+                return;
+            }
+            c.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+            if let Some(Some(s)) = self.slots.get_mut(waiting[a].0) {
+                s.n_fed = n;
+                s.n_past = n;
+            }
+            taken[a] = true;
+            for b in group {
+                taken[b] = true;
+                self.take_prefix(waiting[b].0, seq, n);
+            }
+            tracing::debug!(n_tokens = n, "shared prompt beginning evaluated once");
         }
     }
 
@@ -961,6 +1134,123 @@ mod tests {
         assert_eq!(s.slots_busy, 0);
         assert_eq!(s.requests_total, 6);
         assert_eq!(s.generated_tokens_total, 6 * n as u64);
+    }
+
+    /// Requests whose prompts begin alike evaluate the beginning once, whether they start
+    /// in the same step (one evaluates it in a forward call of its own) or one after the
+    /// other (the later ones copy a live slot's cells), and still produce exactly the
+    /// engine's greedy text; with sharing off every prompt is evaluated in full.
+    #[test]
+    fn shared_prompt_beginnings_are_evaluated_once() {
+        let Some((model, tok)) = load() else { return };
+        let system = "You are a helpful assistant. You answer questions about cities, \
+                      rivers and mountains in one short sentence.\nQuestion: ";
+        let prompts = [
+            format!("{system}What is the capital of France?"),
+            format!("{system}Which river flows through London?"),
+            format!("{system}How high is Mount Everest?"),
+        ];
+        let n = 8;
+        let rt = Runtime::new(1);
+        let encoded: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| tok.encode(p, true, true).expect("encode"))
+            .collect();
+        let common =
+            common_prefix(&encoded[0], &encoded[1]).min(common_prefix(&encoded[0], &encoded[2]));
+        assert!(common >= MIN_SHARED_PREFIX + 8, "{common}");
+        let expected: Vec<String> = encoded
+            .iter()
+            .map(|prompt| {
+                let mut session = Session::new(&model, &rt, 256);
+                let mut sampler = Sampler::new(SamplerParams::greedy(), tok.n_vocab());
+                let params = GenerateParams {
+                    n_predict: Some(n),
+                    ..GenerateParams::default()
+                };
+                generate(
+                    &mut session,
+                    &tok,
+                    &mut sampler,
+                    prompt,
+                    &params,
+                    &mut |_| true,
+                )
+                .expect("generate")
+                .text
+            })
+            .collect();
+
+        // (together, staggered, sharing) -> prompt tokens evaluated, copied, forward calls
+        for (together, share) in [(true, true), (false, true), (true, false)] {
+            let mut config = SchedulerConfig::new(1024, 4);
+            config.share_prefixes = share;
+            let shared = Arc::new(Shared {
+                queue: Mutex::new(Queue::default()),
+                wake: Condvar::new(),
+                counters: Counters::default(),
+                next_id: AtomicU64::new(1),
+                accepting: AtomicBool::new(true),
+            });
+            let mut engine = Engine::new(
+                model.clone(),
+                tok.clone(),
+                Runtime::new(1),
+                &config,
+                shared.clone(),
+            );
+            let mut batch = Batch::new();
+            let mut rxs = Vec::new();
+            for (k, prompt) in encoded.iter().enumerate() {
+                let (tx, rx) = mpsc::channel();
+                let req = GenRequest {
+                    prompt: prompt.clone(),
+                    sampling: SamplerParams::greedy(),
+                    max_tokens: Some(n),
+                    ..GenRequest::default()
+                };
+                engine.admit(Pending {
+                    id: k as u64 + 1,
+                    req,
+                    sink: Box::new(tx),
+                    enqueued: Instant::now(),
+                });
+                rxs.push(rx);
+                if !together {
+                    engine.step(&mut batch);
+                }
+            }
+            while engine.busy() > 0 {
+                engine.step(&mut batch);
+            }
+            for ((rx, want), p) in rxs.into_iter().zip(&expected).zip(&prompts) {
+                assert_eq!(&wait(rx).0, want, "{p:?} together={together} share={share}");
+            }
+            let c = &shared.counters;
+            let total: usize = encoded.iter().map(Vec::len).sum();
+            let evaluated = c.prompt_tokens.load(Ordering::Relaxed) as usize;
+            let copied = c.prompt_tokens_shared.load(Ordering::Relaxed) as usize;
+            let steps = c.steps.load(Ordering::Relaxed) as usize;
+            assert_eq!(
+                evaluated + copied,
+                total,
+                "together={together} share={share}"
+            );
+            if share {
+                assert_eq!(copied, 2 * common, "together={together}");
+            } else {
+                assert_eq!(copied, 0);
+            }
+            // the shared beginning costs one forward call of its own when all start together
+            let extra = usize::from(together && share);
+            let gen_steps = if together { n } else { n + 2 };
+            assert_eq!(
+                steps,
+                gen_steps + extra,
+                "together={together} share={share}"
+            );
+            assert_eq!(engine.cache.used(), 0, "cells released");
+        }
     }
 
     #[test]

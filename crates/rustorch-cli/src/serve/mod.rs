@@ -57,6 +57,10 @@ pub struct Args {
     /// Most requests waiting for a slot (default 4 × --parallel); more get HTTP 429
     #[arg(long = "queue-size")]
     pub queue_size: Option<usize>,
+    /// Evaluate every prompt in full, even where requests begin alike (by default a new
+    /// request copies the cache cells of the beginning it shares with a live request)
+    #[arg(long = "no-prefix-sharing")]
+    pub no_prefix_sharing: bool,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health
     /// (default: $RUSTORCH_API_KEY)
     #[arg(long = "api-key")]
@@ -177,6 +181,7 @@ async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Resul
             parallel: args.parallel,
             batch_size: args.batch_size,
             queue_size: args.queue_size,
+            share_prefixes: !args.no_prefix_sharing,
             threads: args.threads,
             chat_template: args.chat_template.clone(),
             chat_template_file: args.chat_template_file.clone(),
@@ -264,6 +269,7 @@ struct LoadArgs {
     parallel: usize,
     batch_size: usize,
     queue_size: Option<usize>,
+    share_prefixes: bool,
     threads: Option<usize>,
     chat_template: Option<String>,
     chat_template_file: Option<PathBuf>,
@@ -287,6 +293,7 @@ fn load(path: &std::path::Path, args: &LoadArgs) -> anyhow::Result<Ready> {
     }
     let mut config = SchedulerConfig::new(n_ctx, n_slots);
     config.n_batch = args.batch_size.max(1);
+    config.share_prefixes = args.share_prefixes;
     if let Some(q) = args.queue_size {
         config.queue_capacity = q;
     }

@@ -187,6 +187,12 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, Api
         s.prompt_tokens_total.to_string(),
     );
     metric(
+        "prompt_tokens_shared_total",
+        "counter",
+        "Prompt tokens not evaluated: their cache cells were copied from a request that begins alike.",
+        s.prompt_tokens_shared_total.to_string(),
+    );
+    metric(
         "generated_tokens_total",
         "counter",
         "Tokens generated.",
