@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use rustorch_core::quant::{f16_to_f32, f32_to_f16};
+use rustorch_core::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
 
 use crate::batch::SeqId;
 
@@ -107,12 +107,8 @@ impl KvCache {
     pub(crate) fn write(&mut self, seq: SeqId, cell: usize, layer: usize, k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
         if let Some(s) = self.seqs.get_mut(&seq) {
-            for (dst, x) in s.k[layer][cell * d..(cell + 1) * d].iter_mut().zip(k) {
-                *dst = f32_to_f16(*x);
-            }
-            for (dst, x) in s.v[layer][cell * d..(cell + 1) * d].iter_mut().zip(v) {
-                *dst = f32_to_f16(*x);
-            }
+            f32_to_f16_row(k, &mut s.k[layer][cell * d..(cell + 1) * d]);
+            f32_to_f16_row(v, &mut s.v[layer][cell * d..(cell + 1) * d]);
         }
     }
 

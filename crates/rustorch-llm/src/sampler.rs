@@ -477,13 +477,53 @@ pub fn dist(c: &mut Candidates, rng: &mut Mt19937) -> Option<usize> {
 
 /// Index of the largest logit (the first one on ties); 0 for an empty slice.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    // the first index holding the largest value, found in two passes that vectorize: the
+    // largest value (NaN is never larger than anything), then where it first occurs
+    match logits.first() {
+        Some(x) if !x.is_nan() => {}
+        _ => return 0,
+    }
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = logits.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
         }
     }
-    best as u32
+    let mut max = f32::NEG_INFINITY;
+    for &x in lanes.iter().chain(rest) {
+        if x > max {
+            max = x;
+        }
+    }
+    logits.iter().position(|&x| x == max).unwrap_or(0) as u32
+}
+
+/// The greedy choice with logit biases and no penalties, without copying the logits:
+/// the first token with the largest `logit + bias`. `None` when the largest unbiased logit
+/// belongs to a biased token (the caller then runs the stages in full).
+fn biased_argmax(logits: &[f32], bias: &[(u32, f32)]) -> Option<u32> {
+    if logits.is_empty() {
+        return None;
+    }
+    let m = argmax(logits);
+    if logits[m as usize].is_nan() || bias.iter().any(|&(t, _)| t == m) {
+        return None;
+    }
+    // every token before `m` is smaller and none after it larger, so only a biased token
+    // can win instead (on a tie, the earlier one)
+    let (mut best, mut value) = (m, logits[m as usize]);
+    for &(t, b) in bias {
+        let Some(&l) = logits.get(t as usize) else {
+            continue;
+        };
+        let v = l + b;
+        if v > value || (v == value && t < best) {
+            (best, value) = (t, v);
+        }
+    }
+    Some(best)
 }
 
 /// One token and its log-probability.
@@ -753,8 +793,14 @@ impl Sampler {
             // Greedy: top-k, top-p and min-p all keep the most likely candidate and the
             // temperature stage keeps only it, so the chain's answer is the first largest
             // logit after bias and penalties. The draw is still taken, as `dist` would.
-            let token = if self.bias.is_empty() && !self.penalties_active() {
+            let penalties = self.penalties_active();
+            let token = if self.bias.is_empty() && !penalties {
                 (!logits.is_empty()).then(|| argmax(logits))
+            } else if let Some(t) = (!penalties)
+                .then(|| biased_argmax(logits, &self.bias))
+                .flatten()
+            {
+                Some(t)
             } else {
                 self.run_adjust(logits, &mut c);
                 let best =
@@ -856,6 +902,37 @@ mod tests {
         assert_eq!(rng_seed(1 << 32), 1);
     }
 
+    /// The two-pass argmax is the first index of the largest value, as a scan with `>`
+    /// finds it, ties and NaN included.
+    #[test]
+    fn argmax_is_the_first_largest() {
+        let scan = |l: &[f32]| {
+            let mut best = 0usize;
+            for (i, &x) in l.iter().enumerate() {
+                if x > l[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let mut rng = Mt19937::new(11);
+        for case in 0..300usize {
+            let n = 1 + case % 70;
+            let mut l: Vec<f32> = (0..n).map(|_| (rng.next_u32() % 9) as f32).collect();
+            if case % 4 == 1 {
+                l[rng.next_u32() as usize % n] = f32::NAN;
+            }
+            if case % 7 == 3 {
+                l[0] = f32::NAN;
+            }
+            if case % 5 == 2 {
+                l[rng.next_u32() as usize % n] = f32::NEG_INFINITY;
+            }
+            assert_eq!(argmax(&l), scan(&l), "{l:?}");
+        }
+        assert_eq!(argmax(&[]), 0);
+    }
+
     /// The greedy shortcut picks what the whole chain plus the draw picks, bias and
     /// penalties included, and leaves the generator where the draw leaves it.
     #[test]
@@ -877,15 +954,29 @@ mod tests {
                 top_p: 0.9,
                 ..SamplerParams::default()
             };
-            if case % 3 == 0 {
-                // neither bias nor penalties: the plain argmax path
+            if case % 3 != 2 {
+                // no penalties: the plain or the biased argmax path
                 params.repeat_penalty = 1.0;
                 params.frequency_penalty = 0.0;
                 params.presence_penalty = 0.0;
-            } else {
+            }
+            if case % 3 != 0 {
                 params
                     .logit_bias
                     .insert(rng.next_u32() % n as u32, [-100.0, 3.0][case as usize % 2]);
+                // the most likely token banned, another lifted to tie it, or left alone
+                let top = argmax(&logits);
+                match case % 5 {
+                    0 => {
+                        params.logit_bias.insert(top, f32::NEG_INFINITY);
+                    }
+                    1 => {
+                        let other = (top as usize + 1 + case as usize % 9) % n;
+                        let lift = logits[top as usize] - logits[other];
+                        params.logit_bias.insert(other as u32, lift);
+                    }
+                    _ => {}
+                }
             }
             let mut fast = Sampler::new(params.clone(), n);
             let mut chain = Sampler::new(params, n);

@@ -43,7 +43,7 @@ pub mod iquants;
 pub mod kquants;
 pub mod legacy;
 
-pub use float::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use float::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_f16_row};
 pub use iquants::{BlockIq4Nl, BlockIq4Xs, IQ4NL_VALUES};
 pub use kquants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, QK_K};
 pub use legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1, QK};
