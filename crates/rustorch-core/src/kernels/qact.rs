@@ -163,14 +163,14 @@ fn quantize_row(
         #[cfg(target_arch = "x86_64")]
         _ if matches!(isa, Isa::Avx2 | Isa::Avx512) => {
             // SAFETY: the family was detected.
-            unsafe { x86::quantize_row(ty, x, out, d, s, isum) }
+            unsafe { x86::quantize_row(isa, ty, x, out, d, s, isum) }
         }
         _ => {
             for (b, (xb, ob)) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)).enumerate() {
                 let done: Option<(f32, f32, i32)> = match isa {
                     // SAFETY: the family was detected.
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(ty, xb, ob) },
+                    Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(isa, ty, xb, ob) },
                     _ => None,
                 };
                 let (db, sb, ib) = match done {
@@ -271,7 +271,7 @@ pub fn quantize_simd(isa: Isa, ty: GgmlType, x: &[f32], out: &mut [u8]) -> Resul
         let done: Option<(f32, f32, i32)> = match isa {
             // SAFETY: the family was detected.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(ty, xb, ob) },
+            Isa::Avx2 | Isa::Avx512 => unsafe { x86::quantize_block(isa, ty, xb, ob) },
             _ => None,
         };
         if done.is_none() {
@@ -291,19 +291,25 @@ mod x86 {
     /// the reference then handles.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `x`/`out` hold one block of `ty`.
+    /// The CPU must support AVX2, FMA and F16C (and AVX-512 F/BW when `isa` is
+    /// [`Isa::Avx512`]); `x`/`out` hold one block of `ty`.
     pub(super) unsafe fn quantize_block(
+        isa: Isa,
         ty: GgmlType,
         x: &[f32],
         out: &mut [u8],
     ) -> Option<(f32, f32, i32)> {
+        let (xp, op, n) = (x.as_ptr(), out.as_mut_ptr(), out.len());
+        let legacy = |q8_1: bool| {
+            if isa == Isa::Avx512 {
+                q8_legacy512(xp, op, q8_1)
+            } else {
+                q8_legacy(xp, op, q8_1)
+            }
+        };
         match ty {
-            GgmlType::Q8_0 if x.len() == 32 && out.len() == 34 => {
-                q8_legacy(x.as_ptr(), out.as_mut_ptr(), false)
-            }
-            GgmlType::Q8_1 if x.len() == 32 && out.len() == 36 => {
-                q8_legacy(x.as_ptr(), out.as_mut_ptr(), true)
-            }
+            GgmlType::Q8_0 if x.len() == 32 && n == 34 => legacy(false),
+            GgmlType::Q8_1 if x.len() == 32 && n == 36 => legacy(true),
             GgmlType::Q8_K if x.len() == 256 && out.len() == 292 => {
                 q8_k(x.as_ptr(), out.as_mut_ptr())
             }
@@ -314,9 +320,11 @@ mod x86 {
     /// [`super::quantize_row`] with the SIMD block encoders inlined.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C must be available.
+    /// AVX2, FMA and F16C must be available (and AVX-512 F/BW when `isa` is
+    /// [`Isa::Avx512`]).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn quantize_row(
+        isa: Isa,
         ty: GgmlType,
         x: &[f32],
         out: &mut [u8],
@@ -326,7 +334,10 @@ mod x86 {
     ) {
         let (bs, ts) = (ty.block_size(), ty.type_size());
         for (b, (xb, ob)) in x.chunks_exact(bs).zip(out.chunks_exact_mut(ts)).enumerate() {
+            let wide = isa == Isa::Avx512;
             let done = match ty {
+                GgmlType::Q8_0 if wide => q8_legacy512(xb.as_ptr(), ob.as_mut_ptr(), false),
+                GgmlType::Q8_1 if wide => q8_legacy512(xb.as_ptr(), ob.as_mut_ptr(), true),
                 GgmlType::Q8_0 => q8_legacy(xb.as_ptr(), ob.as_mut_ptr(), false),
                 GgmlType::Q8_1 => q8_legacy(xb.as_ptr(), ob.as_mut_ptr(), true),
                 _ => q8_k(xb.as_ptr(), ob.as_mut_ptr()),
@@ -441,6 +452,50 @@ mod x86 {
             Some((df, sf, sum))
         } else {
             _mm256_storeu_si256(out.add(2) as *mut __m256i, bytes);
+            Some((df, 0.0, sum))
+        }
+    }
+
+    /// [`q8_legacy`] with AVX-512: the block in two registers, the largest magnitude as the
+    /// largest of the absolute values' bit patterns (which order like the values, and put
+    /// infinities and NaN above every finite value), and the rounding done by the conversion
+    /// to integers (nearest even, as rounding first and converting then).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn q8_legacy512(x: *const f32, out: *mut u8, q8_1: bool) -> Option<(f32, f32, i32)> {
+        let v = [_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16))];
+        let absm = _mm512_set1_epi32(0x7fff_ffff);
+        let bits = v.map(|vi| _mm512_and_si512(_mm512_castps_si512(vi), absm));
+        let top = _mm512_reduce_max_epu32(_mm512_max_epu32(bits[0], bits[1]));
+        if top >= 0x7f80_0000 {
+            return None;
+        }
+        let amax = f32::from_bits(top);
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        if !id.is_finite() {
+            return None;
+        }
+        let vid = _mm512_set1_ps(id);
+        let q = v.map(|vi| {
+            _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(vi, vid),
+            )
+        });
+        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        let qo = if q8_1 { 4 } else { 2 };
+        _mm_storeu_si128(out.add(qo) as *mut __m128i, _mm512_cvtsepi32_epi8(q[0]));
+        _mm_storeu_si128(
+            out.add(qo + 16) as *mut __m128i,
+            _mm512_cvtsepi32_epi8(q[1]),
+        );
+        let (dh, df) = to_f16(d);
+        std::ptr::copy_nonoverlapping(dh.to_le_bytes().as_ptr(), out, 2);
+        if q8_1 {
+            let (sh, sf) = to_f16(sum as f32 * d);
+            std::ptr::copy_nonoverlapping(sh.to_le_bytes().as_ptr(), out.add(2), 2);
+            Some((df, sf, sum))
+        } else {
             Some((df, 0.0, sum))
         }
     }

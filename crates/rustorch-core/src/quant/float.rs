@@ -37,8 +37,7 @@ pub fn f32_to_f16_row(src: &[f32], dst: &mut [u16]) {
     let (src, dst) = (&src[..n], &mut dst[..n]);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
-    {
+    if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: F16C and AVX were detected; `done` stays within both slices.
         done = unsafe { f32_to_f16_f16c(src, dst) };
     }
@@ -168,7 +167,9 @@ mod tests {
         // every exponent, mantissas near the rounding points, both signs, NaN and inf
         let mut src = Vec::new();
         for exp in 0..=255u32 {
-            for man in [0u32, 1, 0xfff, 0x1000, 0x1001, 0x2000, 0x3000, 0x7f_e000, 0x7f_ffff] {
+            for man in [
+                0u32, 1, 0xfff, 0x1000, 0x1001, 0x2000, 0x3000, 0x7f_e000, 0x7f_ffff,
+            ] {
                 for sign in [0u32, 1 << 31] {
                     src.push(f32::from_bits(sign | exp << 23 | man));
                 }

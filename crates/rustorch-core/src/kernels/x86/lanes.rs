@@ -439,7 +439,8 @@ unsafe fn repeat_t<const T: usize>(p: *const u8) -> __m512 {
 }
 
 /// [`tile`] on AVX-512 against a packed activation tile ([`pack_act_tile`]): two weight
-/// rows per 512-bit register, each weight block unpacked once for all `T` activation rows.
+/// rows per 512-bit register and two registers per pass, each weight block unpacked once for
+/// all `T` activation rows.
 /// Every lane performs the scalar float sequence (`dw * da` rounded, one FMA per block of
 /// the eight exact 4-product lane sums, `hsum_float_8`, Q4_1/Q5_1 `summs` by FMA); the lane
 /// sums come from one `vpdpbusd` of the unsigned weight bytes, started from the tile's
@@ -465,25 +466,33 @@ pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
     let nt = nt.min(T);
     let ia = _mm512_loadu_si512(HALVES_A.as_ptr() as *const _);
     let ib = _mm512_loadu_si512(HALVES_B.as_ptr() as *const _);
+    // four weight rows (two registers) per pass: each activation load and scale serves both
     let mut r0 = 0;
     while r0 < nrows {
-        let (w0, w1) = (w.add(r0 * rb), w.add((r0 + 1).min(nrows - 1) * rb));
-        let mut acc = [_mm512_setzero_ps(); T];
-        // lane 8 * i + t: row r0 + i, activation row t (repeated when T < 8)
-        let mut summs = _mm512_setzero_ps();
+        let row = |k: usize| w.add((r0 + k).min(nrows - 1) * rb);
+        let (w0, w1, w2, w3) = (row(0), row(1), row(2), row(3));
+        // lane 8 * i + t of `summs[j]`: row r0 + 2j + i, activation row t (repeated when T < 8)
+        let mut acc = [[_mm512_setzero_ps(); T]; 2];
+        let mut summs = [_mm512_setzero_ps(); 2];
         for b in 0..nb {
             let (p0, p1) = (w0.add(b * bs), w1.add(b * bs));
-            // the next row pair, same block: keeps the weight stream ahead of the tile
-            _mm_prefetch::<_MM_HINT_T0>(p0.wrapping_add(2 * rb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(p1.wrapping_add(2 * rb) as *const i8);
+            let (p2, p3) = (w2.add(b * bs), w3.add(b * bs));
+            // the next rows, same block: keeps the weight stream ahead of the tile
+            for p in [p0, p1, p2, p3] {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * rb) as *const i8);
+            }
             let a = at.add(b * stride);
-            let x =
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(uvalues::<F>(p0)), uvalues::<F>(p1));
-            let heads = head_f16x2(p0, p1);
-            let dw = _mm512_permutexvar_ps(ia, heads);
+            let x = [
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(uvalues::<F>(p0)), uvalues::<F>(p1)),
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(uvalues::<F>(p2)), uvalues::<F>(p3)),
+            ];
+            let heads = [head_f16x2(p0, p1), head_f16x2(p2, p3)];
+            let dw = heads.map(|h| _mm512_permutexvar_ps(ia, h));
             if has_min(F) {
-                let mw = _mm512_permutexvar_ps(ib, heads);
-                summs = _mm512_fmadd_ps(mw, repeat_t::<T>(a.add(36 * T)), summs);
+                let s = repeat_t::<T>(a.add(36 * T));
+                for j in 0..2 {
+                    summs[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(ib, heads[j]), s, summs[j]);
+                }
             }
             for t in 0..T {
                 let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.add(32 * t) as *const __m256i));
@@ -494,21 +503,29 @@ pub(crate) unsafe fn tile512<const F: u8, const T: usize>(
                         a.add(36 * T + 32 * t) as *const __m256i
                     ))
                 };
-                let l = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, x, y));
-                let sc = _mm512_mul_ps(dw, _mm512_set1_ps(*(a.add(32 * T + 4 * t) as *const f32)));
-                acc[t] = _mm512_fmadd_ps(sc, l, acc[t]);
+                let da = _mm512_set1_ps(*(a.add(32 * T + 4 * t) as *const f32));
+                for j in 0..2 {
+                    let l = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, x[j], y));
+                    acc[j][t] = _mm512_fmadd_ps(_mm512_mul_ps(dw[j], da), l, acc[j][t]);
+                }
             }
         }
-        let mut sm = [0f32; 16];
-        _mm512_storeu_ps(sm.as_mut_ptr(), summs);
-        for t in 0..nt {
-            let v = acc[t];
-            *out.add(t * ostride + r0) = hsum_float_8(_mm512_castps512_ps256(v)) + sm[t];
-            if r0 + 1 < nrows {
-                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-                *out.add(t * ostride + r0 + 1) = hsum_float_8(hi) + sm[8 + t];
+        for j in 0..2 {
+            let r = r0 + 2 * j;
+            if r >= nrows {
+                break;
+            }
+            let mut sm = [0f32; 16];
+            _mm512_storeu_ps(sm.as_mut_ptr(), summs[j]);
+            for t in 0..nt {
+                let v = acc[j][t];
+                *out.add(t * ostride + r) = hsum_float_8(_mm512_castps512_ps256(v)) + sm[t];
+                if r + 1 < nrows {
+                    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                    *out.add(t * ostride + r + 1) = hsum_float_8(hi) + sm[8 + t];
+                }
             }
         }
-        r0 += 2;
+        r0 += 4;
     }
 }
