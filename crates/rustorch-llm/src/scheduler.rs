@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 use crate::batch::{Batch, SeqId};
 use crate::engine::{TextStream, DEFAULT_N_BATCH};
 use crate::kv_cache::KvCache;
-use crate::model::{Model, Runtime};
+use crate::model::{ForwardOutput, Model, ModelError, Runtime};
 use crate::sampler::{logprobs, Logprobs, Sampler, SamplerParams};
 use crate::tokenizer::Tokenizer;
 
@@ -298,6 +298,16 @@ struct Shared {
 }
 
 impl Shared {
+    fn new() -> Self {
+        Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            counters: Counters::default(),
+            next_id: AtomicU64::new(1),
+            accepting: AtomicBool::new(true),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -325,13 +335,7 @@ impl Scheduler {
         config.n_slots = config.n_slots.max(1);
         config.n_ctx = config.n_ctx.max(config.n_slots);
         config.n_batch = config.n_batch.max(config.n_slots);
-        let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue::default()),
-            wake: Condvar::new(),
-            counters: Counters::default(),
-            next_id: AtomicU64::new(1),
-            accepting: AtomicBool::new(true),
-        });
+        let shared = Arc::new(Shared::new());
         let n_vocab = model.hparams().n_vocab;
         let engine = Engine::new(model, tokenizer, rt, &config, shared.clone());
         tracing::info!(
@@ -799,12 +803,7 @@ impl Engine {
         }
 
         let t0 = Instant::now();
-        let out = self.model.forward(batch, &mut self.cache, &self.rt);
-        let c = &self.shared.counters;
-        c.steps.fetch_add(1, Ordering::Relaxed);
-        c.forward_nanos
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let out = match out {
+        let out = match self.forward(batch) {
             Ok(o) => o,
             Err(e) => {
                 let msg = format!("forward pass failed: {e}");
@@ -842,6 +841,25 @@ impl Engine {
         }
     }
 
+    /// One forward call, counted in the stats.
+    fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput, ModelError> {
+        let t0 = Instant::now();
+        let out = self.model.forward(batch, &mut self.cache, &self.rt);
+        let c = &self.shared.counters;
+        c.steps.fetch_add(1, Ordering::Relaxed);
+        c.forward_nanos
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Records that slot `i`, fresh, has its first `n` prompt tokens in the cache.
+    fn mark_fed(&mut self, i: usize, n: usize) {
+        if let Some(Some(s)) = self.slots.get_mut(i) {
+            s.n_fed = n;
+            s.n_past = n;
+        }
+    }
+
     /// Slot `i` takes the cells of positions `0..n` of sequence `src` as its first `n`
     /// prompt tokens; false (and nothing changes) when the cache has no room for them.
     fn take_prefix(&mut self, i: usize, src: SeqId, n: usize) -> bool {
@@ -855,10 +873,7 @@ impl Engine {
         {
             return false;
         }
-        if let Some(Some(s)) = self.slots.get_mut(i) {
-            s.n_fed = n;
-            s.n_past = n;
-        }
+        self.mark_fed(i, n);
         self.shared
             .counters
             .prompt_tokens_shared
@@ -870,7 +885,6 @@ impl Engine {
     /// share with a live slot's evaluated prompt, or with other new requests (evaluated
     /// once, by one of them, in a forward call of its own). See the module documentation.
     fn share_prompt_prefixes(&mut self, batch: &mut Batch) {
-        let prompt = |s: &Slot| s.req.prompt.clone();
         let mut fresh: Vec<(u64, usize)> = self
             .slots
             .iter()
@@ -889,7 +903,7 @@ impl Engine {
             let Some(Some(slot)) = self.slots.get(i) else {
                 continue;
             };
-            let p = prompt(slot);
+            let p = slot.req.prompt.clone();
             let limit = p.len().saturating_sub(1);
             // the longest beginning already evaluated by a live slot
             let best = self
@@ -918,10 +932,10 @@ impl Engine {
             let pa = &waiting[a].1;
             let mut n = pa.len().saturating_sub(1).min(self.n_batch);
             let mut group = Vec::new();
-            for b in a + 1..waiting.len() {
+            for b in (a + 1..waiting.len()).filter(|&b| !taken[b]) {
                 let pb = &waiting[b].1;
                 let c = common_prefix(pa, pb).min(pb.len().saturating_sub(1));
-                if !taken[b] && c >= MIN_SHARED_PREFIX {
+                if c >= MIN_SHARED_PREFIX {
                     group.push(b);
                     n = n.min(c);
                 }
@@ -937,24 +951,17 @@ impl Engine {
             for (k, &t) in pa[..n].iter().enumerate() {
                 batch.push(t, k as u32, seq, false);
             }
-            let t0 = Instant::now();
-            let out = self.model.forward(batch, &mut self.cache, &self.rt);
-            let c = &self.shared.counters;
-            c.steps.fetch_add(1, Ordering::Relaxed);
-            c.forward_nanos
-                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if let Err(e) = out {
+            if let Err(e) = self.forward(batch) {
                 // the regular step evaluates these prompts (and reports what fails)
                 tracing::debug!(error = %e, "evaluating a shared prompt beginning failed");
                 self.cache.seq_rm(seq, None, None);
                 return;
             }
-            c.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
-            if let Some(Some(s)) = self.slots.get_mut(waiting[a].0) {
-                s.n_fed = n;
-                s.n_past = n;
-            }
-            taken[a] = true;
+            self.shared
+                .counters
+                .prompt_tokens
+                .fetch_add(n as u64, Ordering::Relaxed);
+            self.mark_fed(waiting[a].0, n);
             for b in group {
                 taken[b] = true;
                 self.take_prefix(waiting[b].0, seq, n);
@@ -1045,6 +1052,27 @@ mod tests {
         }
     }
 
+    /// The greedy text of `n` tokens after `prompt` from the single-sequence engine.
+    fn engine_text(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> String {
+        let rt = Runtime::new(1);
+        let mut session = Session::new(model, &rt, 256);
+        let mut sampler = Sampler::new(SamplerParams::greedy(), tok.n_vocab());
+        let params = GenerateParams {
+            n_predict: Some(n),
+            ..GenerateParams::default()
+        };
+        generate(
+            &mut session,
+            tok,
+            &mut sampler,
+            prompt,
+            &params,
+            &mut |_| true,
+        )
+        .expect("generate")
+        .text
+    }
+
     /// Collects a request's text and summary.
     fn wait(rx: mpsc::Receiver<Event>) -> (String, Completion) {
         let mut text = String::new();
@@ -1077,28 +1105,9 @@ mod tests {
             "1, 2, 3, 4,",
         ];
         let n = 12;
-        let rt = Runtime::new(1);
         let expected: Vec<String> = prompts
             .iter()
-            .map(|p| {
-                let mut session = Session::new(&model, &rt, 256);
-                let mut sampler = Sampler::new(SamplerParams::greedy(), tok.n_vocab());
-                let params = GenerateParams {
-                    n_predict: Some(n),
-                    ..GenerateParams::default()
-                };
-                let prompt = tok.encode(p, true, true).expect("encode");
-                generate(
-                    &mut session,
-                    &tok,
-                    &mut sampler,
-                    &prompt,
-                    &params,
-                    &mut |_| true,
-                )
-                .expect("generate")
-                .text
-            })
+            .map(|p| engine_text(&model, &tok, &tok.encode(p, true, true).expect("encode"), n))
             .collect();
 
         let mut config = SchedulerConfig::new(1024, 4);
@@ -1151,7 +1160,6 @@ mod tests {
             format!("{system}How high is Mount Everest?"),
         ];
         let n = 8;
-        let rt = Runtime::new(1);
         let encoded: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| tok.encode(p, true, true).expect("encode"))
@@ -1161,37 +1169,14 @@ mod tests {
         assert!(common >= MIN_SHARED_PREFIX + 8, "{common}");
         let expected: Vec<String> = encoded
             .iter()
-            .map(|prompt| {
-                let mut session = Session::new(&model, &rt, 256);
-                let mut sampler = Sampler::new(SamplerParams::greedy(), tok.n_vocab());
-                let params = GenerateParams {
-                    n_predict: Some(n),
-                    ..GenerateParams::default()
-                };
-                generate(
-                    &mut session,
-                    &tok,
-                    &mut sampler,
-                    prompt,
-                    &params,
-                    &mut |_| true,
-                )
-                .expect("generate")
-                .text
-            })
+            .map(|prompt| engine_text(&model, &tok, prompt, n))
             .collect();
 
         // (together, staggered, sharing) -> prompt tokens evaluated, copied, forward calls
         for (together, share) in [(true, true), (false, true), (true, false)] {
             let mut config = SchedulerConfig::new(1024, 4);
             config.share_prefixes = share;
-            let shared = Arc::new(Shared {
-                queue: Mutex::new(Queue::default()),
-                wake: Condvar::new(),
-                counters: Counters::default(),
-                next_id: AtomicU64::new(1),
-                accepting: AtomicBool::new(true),
-            });
+            let shared = Arc::new(Shared::new());
             let mut engine = Engine::new(
                 model.clone(),
                 tok.clone(),
