@@ -19,7 +19,7 @@
 //! reproduced here, so results there agree to rounding rather than bit for bit.
 
 use super::cpu::Isa;
-use crate::quant::{f16_to_f32, f32_to_f16};
+use crate::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
 
 /// Attention inputs for one query head.
 #[derive(Clone, Copy)]
@@ -70,10 +70,34 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
         acc_heap.resize(hd, 0);
         (&mut q_heap[..], &mut acc_heap[..])
     };
-    for (d, &x) in q16.iter_mut().zip(h.q) {
-        *d = f32_to_f16(x);
+    f32_to_f16_row(h.q, q16);
+    let inv = online_softmax(
+        isa,
+        h,
+        q16,
+        acc,
+        |acc, ms| scale_f16(isa, acc, ms),
+        |acc, v, vs| mad_f16(isa, acc, v, vs),
+    );
+    for (o, &a) in out.iter_mut().zip(acc.iter()) {
+        *o = f16_to_f32(a) * inv;
     }
-    let q16: &[u16] = q16;
+}
+
+/// The online-softmax walk of [`attend_head`] over the cells visible to `h`'s query (`q16`,
+/// already rounded): per cell the score, then `rescale(acc, ms)` on a new maximum and
+/// `add(acc, value_row, vs)`, and the running sum `S = fma(S, ms, vs)`. Returns `1 / S`
+/// (0 when no cell is visible).
+#[inline(always)]
+fn online_softmax<A: ?Sized>(
+    isa: Isa,
+    h: &HeadAttn<'_>,
+    q16: &[u16],
+    acc: &mut A,
+    mut rescale: impl FnMut(&mut A, f32),
+    mut add: impl FnMut(&mut A, &[u16], f32),
+) -> f32 {
+    let hd = q16.len();
     let mut m = f32::NEG_INFINITY;
     let mut sum = 0f32;
     for (c, &p) in h.pos.iter().enumerate() {
@@ -84,14 +108,15 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
         let s = dot_f16(isa, &h.k[base..base + hd], q16) * h.scale;
         let (ms, vs, new_max) = online_step(&mut m, s);
         if new_max {
-            scale_f16(isa, acc, ms);
+            rescale(acc, ms);
         }
-        mad_f16(isa, acc, &h.v[base..base + hd], vs);
+        add(acc, &h.v[base..base + hd], vs);
         sum = sum.mul_add(ms, vs);
     }
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    for (o, &a) in out.iter_mut().zip(acc.iter()) {
-        *o = f16_to_f32(a) * inv;
+    if sum == 0.0 {
+        0.0
+    } else {
+        1.0 / sum
     }
 }
 
@@ -282,35 +307,30 @@ mod x86 {
         let hd = h.q.len();
         let nv = hd / 16;
         let mut q16 = [0u16; 128];
-        for (d, &x) in q16.iter_mut().zip(h.q) {
-            *d = super::f32_to_f16(x);
-        }
+        super::f32_to_f16_row(h.q, &mut q16[..hd]);
         let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
         let mut acc = [_mm512_setzero_ps(); 7];
-        let mut m = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        for (c, &p) in h.pos.iter().enumerate() {
-            if p > h.max_pos {
-                continue;
-            }
-            let base = c * h.stride + h.offset;
-            let s = super::dot_f16(super::Isa::Avx512, &h.k[base..base + hd], &q16[..hd]) * h.scale;
-            let (ms, vs, new_max) = super::online_step(&mut m, s);
-            if new_max {
+        let inv = super::online_softmax(
+            super::Isa::Avx512,
+            h,
+            &q16[..hd],
+            &mut acc,
+            |acc, ms| {
                 let v = _mm512_set1_ps(ms);
                 for a in acc.iter_mut().take(nv) {
                     *a = round(_mm512_mul_ps(*a, v));
                 }
-            }
-            let vv = _mm512_set1_ps(vs);
-            let vrow = h.v[base..base + hd].as_ptr();
-            for (i, a) in acc.iter_mut().take(nv).enumerate() {
-                let x = _mm512_cvtph_ps(_mm256_loadu_si256(vrow.add(16 * i) as *const __m256i));
-                *a = round(_mm512_fmadd_ps(x, vv, *a));
-            }
-            sum = sum.mul_add(ms, vs);
-        }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+            },
+            |acc, vrow, vs| {
+                let vv = _mm512_set1_ps(vs);
+                for (i, a) in acc.iter_mut().take(nv).enumerate() {
+                    let x = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        vrow.as_ptr().add(16 * i) as *const __m256i
+                    ));
+                    *a = round(_mm512_fmadd_ps(x, vv, *a));
+                }
+            },
+        );
         let iv = _mm512_set1_ps(inv);
         for (i, a) in acc.iter().take(nv).enumerate() {
             _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, iv));
