@@ -3,7 +3,7 @@
 //! from the length of a cache.
 
 /// Identifies one sequence (one conversation, one server slot).
-pub type SeqId = u32;
+pub use rustorch_core::kv_cache::SeqId;
 
 /// Tokens with explicit positions, sequence ids and whether logits are wanted.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -32,8 +32,10 @@ pub struct HeadAttn<'a> {
     pub v: &'a [u16],
     pub stride: usize,
     pub offset: usize,
-    /// Position of each cell; cells with position above `max_pos` are skipped (causal mask).
+    /// Position of each cell; cells with position above `max_pos` (causal mask) or below
+    /// `min_pos` (sliding window) are skipped.
     pub pos: &'a [u32],
+    pub min_pos: u32,
     pub max_pos: u32,
     /// Score scale (1 / sqrt(head_dim)).
     pub scale: f32,
@@ -43,7 +45,8 @@ pub struct HeadAttn<'a> {
 pub struct GroupQuery<'a> {
     /// The query head (`hd` values, not yet rounded).
     pub q: &'a [f32],
-    /// Cells with a position above this are invisible to the query.
+    /// Cells with a position below `min_pos` or above `max_pos` are invisible to the query.
+    pub min_pos: u32,
     pub max_pos: u32,
     /// Output (`hd` values).
     pub out: &'a mut [f32],
@@ -101,7 +104,7 @@ fn online_softmax<A: ?Sized>(
     let mut m = f32::NEG_INFINITY;
     let mut sum = 0f32;
     for (c, &p) in h.pos.iter().enumerate() {
-        if p > h.max_pos {
+        if p > h.max_pos || p < h.min_pos {
             continue;
         }
         let base = c * h.stride + h.offset;
@@ -142,6 +145,7 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
     for gq in queries.iter_mut() {
         let one = HeadAttn {
             q: gq.q,
+            min_pos: gq.min_pos,
             max_pos: gq.max_pos,
             ..*h
         };
@@ -418,6 +422,7 @@ mod tests {
                 stride: hd,
                 offset: 0,
                 pos: &pos,
+                min_pos: 0,
                 max_pos: 30,
                 scale: 1.0 / (hd as f32).sqrt(),
             };

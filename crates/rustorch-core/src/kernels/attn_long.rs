@@ -50,6 +50,7 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
     for gq in queries.iter_mut() {
         let one = HeadAttn {
             q: gq.q,
+            min_pos: gq.min_pos,
             max_pos: gq.max_pos,
             ..*h
         };
@@ -73,7 +74,7 @@ pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
     let mut m = f32::NEG_INFINITY;
     let mut sum = 0f32;
     for (c, &p) in h.pos.iter().enumerate() {
-        if p > h.max_pos {
+        if p > h.max_pos || p < h.min_pos {
             continue;
         }
         let base = c * h.stride + h.offset;
@@ -110,7 +111,7 @@ fn attend_scalar_large(h: &HeadAttn<'_>, out: &mut [f32]) {
     let mut m = f32::NEG_INFINITY;
     let mut sum = 0f32;
     for (c, &p) in h.pos.iter().enumerate() {
-        if p > h.max_pos {
+        if p > h.max_pos || p < h.min_pos {
             continue;
         }
         let base = c * h.stride + h.offset;
@@ -164,7 +165,7 @@ mod x86 {
         let mut sum = 0f32;
         let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
         for (c, &p) in h.pos.iter().enumerate() {
-            if p > h.max_pos {
+            if p > h.max_pos || p < h.min_pos {
                 continue;
             }
             let base = c * h.stride + h.offset;
@@ -369,11 +370,14 @@ mod x86 {
             let valid: u32 = if nc == 16 { 0xffff } else { (1u32 << nc) - 1 };
             let pv = _mm512_maskz_loadu_epi32(valid as u16, h.pos.as_ptr().add(c0) as *const i32);
             for (j, gq) in qs.iter().enumerate() {
-                let mk = _mm512_mask_cmple_epu32_mask(
+                let below = _mm512_mask_cmple_epu32_mask(
                     valid as u16,
                     pv,
                     _mm512_set1_epi32(gq.max_pos as i32),
-                ) as u32;
+                );
+                let mk =
+                    _mm512_mask_cmpge_epu32_mask(below, pv, _mm512_set1_epi32(gq.min_pos as i32))
+                        as u32;
                 masks[j] = mk;
                 any |= mk;
             }
@@ -525,7 +529,7 @@ mod x86 {
         let (kp, vp) = (h.k.as_ptr(), h.v.as_ptr());
         let (qp, ap) = (q.as_ptr(), acc.as_mut_ptr());
         for (c, &p) in h.pos.iter().enumerate() {
-            if p > h.max_pos {
+            if p > h.max_pos || p < h.min_pos {
                 continue;
             }
             let base = c * h.stride + h.offset;

@@ -2,14 +2,20 @@
 //! memory-mapped file, and the architectures that run them.
 
 mod llama;
+mod ops;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+pub use rustorch_core::backend::cpu::TensorHook;
+use rustorch_core::backend::cpu::{Cpu, CpuAngles, CpuDevice};
+use rustorch_core::backend::{BackendError, Device, Rows, WeightRef};
 use rustorch_core::gguf::{GgufError, GgufFile, TensorInfo};
 use rustorch_core::kernels::ops::{Rope, RopeMode};
-use rustorch_core::kernels::{QMatrix, ThreadPool};
+use rustorch_core::kernels::ThreadPool;
 use rustorch_core::quant::{self, QuantError};
 use rustorch_core::GgmlType;
+
+use ops::{Io, Step, Workspace};
 
 use crate::batch::Batch;
 use crate::kv_cache::{KvCache, KvCacheError};
@@ -94,35 +100,17 @@ pub enum ModelError {
     Cache(#[from] KvCacheError),
     #[error(transparent)]
     Quant(#[from] QuantError),
-}
-
-/// A weight matrix: where it lies in the file and its shape.
-#[derive(Debug, Clone)]
-pub(crate) struct Weight {
-    pub ty: GgmlType,
-    pub start: usize,
-    pub len: usize,
-    pub n_rows: usize,
-    pub n_cols: usize,
-}
-
-impl Weight {
-    pub fn view<'a>(&self, bytes: &'a [u8]) -> QMatrix<'a> {
-        QMatrix {
-            ty: self.ty,
-            data: &bytes[self.start..self.start + self.len],
-            n_rows: self.n_rows,
-            n_cols: self.n_cols,
-        }
-    }
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
 /// Reads weights by name, checking shape and type.
-pub(crate) struct Loader<'a> {
+pub(crate) struct Loader<'a, D> {
     pub gguf: &'a GgufFile,
+    pub dev: &'a D,
 }
 
-impl Loader<'_> {
+impl<D: Device> Loader<'_, D> {
     fn info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
         self.gguf
             .tensor_info(name)
@@ -151,7 +139,7 @@ impl Loader<'_> {
     }
 
     /// A 2-D weight of `n_rows` rows by `n_cols` columns (ggml shape `[n_cols, n_rows]`).
-    pub fn matrix(&self, name: &str, n_cols: usize, n_rows: usize) -> Result<Weight, ModelError> {
+    pub fn matrix(&self, name: &str, n_cols: usize, n_rows: usize) -> Result<D::Mat, ModelError> {
         let t = self.info(name)?;
         self.check_shape(t, &[n_cols as u64, n_rows as u64])?;
         if !quant::supports_dequantize(t.ty) {
@@ -160,17 +148,32 @@ impl Loader<'_> {
                 ty: t.ty,
             });
         }
-        Ok(Weight {
+        let w = WeightRef {
             ty: t.ty,
             start: (self.gguf.data_offset() + t.offset) as usize,
             len: t.n_bytes as usize,
             n_rows,
             n_cols,
-        })
+        };
+        Ok(self.dev.matrix(self.gguf.bytes(), &w)?)
     }
 
-    /// A 1-D tensor decoded to f32 (norm weights, biases).
-    pub fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+    /// `output.weight`, or the token embedding when the output is tied to it.
+    pub fn output_or_tied(&self, n_embd: usize, n_vocab: usize) -> Result<D::Mat, ModelError> {
+        if self.has("output.weight") {
+            self.matrix("output.weight", n_embd, n_vocab)
+        } else {
+            self.matrix("token_embd.weight", n_embd, n_vocab)
+        }
+    }
+
+    /// A 1-D tensor decoded to f32 (norm weights, biases), on the device.
+    pub fn vector(&self, name: &str, n: usize) -> Result<D::Vector, ModelError> {
+        Ok(self.dev.vector(self.host_vector(name, n)?)?)
+    }
+
+    /// A 1-D tensor decoded to f32 on the host.
+    pub fn host_vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
         let t = self.info(name)?;
         self.check_shape(t, &[n as u64])?;
         let mut out = vec![0f32; n];
@@ -183,7 +186,7 @@ impl Loader<'_> {
         Ok(out)
     }
 
-    pub fn optional_vector(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+    pub fn optional_vector(&self, name: &str, n: usize) -> Result<Option<D::Vector>, ModelError> {
         if self.has(name) {
             self.vector(name, n).map(Some)
         } else {
@@ -318,9 +321,6 @@ pub struct Runtime {
     pub tensor_hook: Option<TensorHook>,
 }
 
-/// See [`Runtime::tensor_hook`].
-pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
-
 impl Runtime {
     pub fn new(n_threads: usize) -> Self {
         Runtime {
@@ -332,19 +332,67 @@ impl Runtime {
     }
 }
 
+/// An architecture's weights on device `D`.
+enum Graph<D: Device> {
+    Llama(llama::Llama<D>),
+}
+
+impl<D: Device> Graph<D> {
+    fn load(ld: &Loader<'_, D>, hp: &HParams) -> Result<Self, ModelError> {
+        Ok(match hp.arch {
+            Arch::Llama | Arch::Qwen2 => Graph::Llama(llama::Llama::load(ld, hp)?),
+        })
+    }
+
+    fn forward<B: rustorch_core::backend::Backend<Dev = D>>(
+        &self,
+        st: Step<'_, B>,
+    ) -> Result<ForwardOutput, ModelError> {
+        match self {
+            Graph::Llama(g) => g.forward(st),
+        }
+    }
+}
+
+/// The model on its device, with the activation workspace kept between calls.
+enum Placed {
+    Cpu {
+        dev: CpuDevice,
+        graph: Graph<CpuDevice>,
+        ws: Mutex<Workspace<Vec<f32>, CpuAngles>>,
+    },
+}
+
 /// A loaded model: hyper-parameters plus weights borrowed from the memory-mapped GGUF.
 pub struct Model {
     gguf: Arc<GgufFile>,
     hp: HParams,
-    inner: llama::Llama,
+    /// RoPE frequency factors on the host (for shifting cached keys).
+    rope_freqs: Option<Vec<f32>>,
+    placed: Placed,
 }
 
 impl Model {
-    /// Builds the model described by `gguf`'s metadata.
+    /// Builds the model described by `gguf`'s metadata, on the CPU.
     pub fn load(gguf: Arc<GgufFile>) -> Result<Self, ModelError> {
         let hp = HParams::from_gguf(&gguf)?;
-        let inner = llama::Llama::load(&Loader { gguf: &gguf }, &hp)?;
-        Ok(Model { gguf, hp, inner })
+        let dev = CpuDevice::default();
+        let ld = Loader {
+            gguf: &gguf,
+            dev: &dev,
+        };
+        let graph = Graph::load(&ld, &hp)?;
+        let rope_freqs = ld.optional_vector("rope_freqs.weight", hp.rope.n_rot / 2)?;
+        Ok(Model {
+            hp,
+            rope_freqs,
+            placed: Placed::Cpu {
+                dev,
+                graph,
+                ws: Mutex::new(Workspace::default()),
+            },
+            gguf,
+        })
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -363,7 +411,7 @@ impl Model {
         let mut cos = vec![0f32; half];
         let mut sin = vec![0f32; half];
         hp.rope
-            .angles(delta as f32, self.inner.rope_freqs(), &mut cos, &mut sin);
+            .angles(delta as f32, self.rope_freqs.as_deref(), &mut cos, &mut sin);
         for head in row.chunks_exact_mut(hp.head_dim) {
             hp.rope.apply(head, &cos, &sin);
         }
@@ -407,7 +455,43 @@ impl Model {
             seq_ids = ?batch.seq_ids,
             "forward"
         );
-        self.inner
-            .forward(&self.hp, self.gguf.bytes(), batch, cache, rt)
+        // Reserve one cache cell per token, at the position the caller gave.
+        cache.check_room(n)?;
+        let cells: Vec<usize> = (0..n)
+            .map(|i| cache.add_cell(batch.seq_ids[i], batch.positions[i]))
+            .collect();
+        let io = Io {
+            hp: &self.hp,
+            tokens: &batch.tokens,
+            rows: Rows {
+                positions: &batch.positions,
+                seq_ids: &batch.seq_ids,
+            },
+            cache,
+            cells: &cells,
+            out_rows: (0..n).filter(|&i| batch.logits[i]).collect(),
+            kept: false,
+            dump_layers: rt.dump_layers,
+            stats: Vec::new(),
+        };
+        match &self.placed {
+            Placed::Cpu { dev, graph, ws } => {
+                let mut be = Cpu::new(
+                    dev,
+                    self.gguf.bytes(),
+                    &rt.pool,
+                    rt.reference,
+                    rt.tensor_hook.as_ref(),
+                );
+                // Buffers are reused from call to call (a concurrent call gets fresh ones).
+                let mut own = None;
+                let mut guard = ws.try_lock();
+                let w = match guard {
+                    Ok(ref mut g) => &mut **g,
+                    Err(_) => own.insert(Workspace::default()),
+                };
+                graph.forward(Step { be: &mut be, w, io })
+            }
+        }
     }
 }

@@ -5,12 +5,13 @@
 
 use std::collections::BTreeMap;
 
-use rustorch_core::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
+use crate::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
 
-use crate::batch::SeqId;
+/// Identifies a sequence (a conversation, a server slot) in a batch and in the cache.
+pub type SeqId = u32;
 
 #[derive(Debug, Default, Clone)]
-pub(crate) struct SeqCells {
+pub struct SeqCells {
     pub pos: Vec<u32>,
     /// per layer: `pos.len() * kv_dim` keys, row per cell (already rotated)
     pub k: Vec<Vec<u16>>,
@@ -72,7 +73,7 @@ impl KvCache {
             .and_then(|s| s.pos.iter().copied().max())
     }
 
-    pub(crate) fn check_room(&self, needed: usize) -> Result<(), KvCacheError> {
+    pub fn check_room(&self, needed: usize) -> Result<(), KvCacheError> {
         let used = self.used();
         if used + needed > self.n_ctx {
             return Err(KvCacheError::Full {
@@ -85,7 +86,7 @@ impl KvCache {
     }
 
     /// Appends a cell for `seq` at `pos`; returns its index. K/V rows are zero until written.
-    pub(crate) fn add_cell(&mut self, seq: SeqId, pos: u32) -> usize {
+    pub fn add_cell(&mut self, seq: SeqId, pos: u32) -> usize {
         let (n_layer, kv_dim) = (self.n_layer, self.kv_dim);
         let s = self.seqs.entry(seq).or_insert_with(|| SeqCells {
             pos: Vec::new(),
@@ -104,7 +105,7 @@ impl KvCache {
         s.pos.len() - 1
     }
 
-    pub(crate) fn write(&mut self, seq: SeqId, cell: usize, layer: usize, k: &[f32], v: &[f32]) {
+    pub fn write(&mut self, seq: SeqId, cell: usize, layer: usize, k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
         if let Some(s) = self.seqs.get_mut(&seq) {
             f32_to_f16_row(k, &mut s.k[layer][cell * d..(cell + 1) * d]);
@@ -112,11 +113,11 @@ impl KvCache {
         }
     }
 
-    pub(crate) fn seq(&self, seq: SeqId) -> Option<&SeqCells> {
+    pub fn seq(&self, seq: SeqId) -> Option<&SeqCells> {
         self.seqs.get(&seq)
     }
 
-    pub(crate) fn kv_dim(&self) -> usize {
+    pub fn kv_dim(&self) -> usize {
         self.kv_dim
     }
 

@@ -1,0 +1,460 @@
+//! The CPU backend: llama.cpp's CPU arithmetic bit for bit (see `docs/parity.md`), on the
+//! kernels of [`crate::kernels`] and their thread pool. Weights stay in the memory-mapped
+//! file; activations are `Vec<f32>`.
+
+use std::borrow::Cow;
+use std::sync::Mutex;
+
+use super::{AttnSpec, Backend, BackendError, Device, Glu, Rows, WeightRef};
+use crate::kernels::attn::{self, GroupQuery, HeadAttn};
+use crate::kernels::ops::{rms_norm, Rope};
+use crate::kernels::{
+    attn_long, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, QActs, QMatrix,
+    ThreadPool,
+};
+use crate::kv_cache::KvCache;
+
+/// Called with (llama.cpp's tensor name, layer, values) at each step of the graph, for
+/// comparing intermediate tensors with llama.cpp's `llama-eval-callback`.
+pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
+
+/// Weights of the CPU backend are views of the mapped file; nothing is copied.
+#[derive(Default)]
+pub struct CpuDevice {
+    /// Quantized-activation buffers kept between calls (a concurrent call makes its own).
+    scratch: Mutex<Vec<QActs>>,
+}
+
+impl Device for CpuDevice {
+    type Mat = WeightRef;
+    type Vector = Vec<f32>;
+
+    fn matrix(&self, _bytes: &[u8], w: &WeightRef) -> Result<WeightRef, BackendError> {
+        Ok(*w)
+    }
+
+    fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        Ok(v)
+    }
+}
+
+/// One forward call on the CPU.
+pub struct Cpu<'a> {
+    bytes: &'a [u8],
+    pool: &'a ThreadPool,
+    /// Dequantize and multiply in f32 instead of llama.cpp's quantized dot products.
+    reference: bool,
+    hook: Option<&'a TensorHook>,
+    dev: &'a CpuDevice,
+    qa: Vec<QActs>,
+    /// The layer of the last hooked tensor (names the tensors hooked inside fused ops).
+    layer: usize,
+}
+
+impl<'a> Cpu<'a> {
+    pub fn new(
+        dev: &'a CpuDevice,
+        bytes: &'a [u8],
+        pool: &'a ThreadPool,
+        reference: bool,
+        hook: Option<&'a TensorHook>,
+    ) -> Self {
+        let mut qa = dev
+            .scratch
+            .try_lock()
+            .map(|mut s| std::mem::take(&mut *s))
+            .unwrap_or_default();
+        if qa.is_empty() {
+            qa.push(QActs::new());
+        }
+        Cpu {
+            bytes,
+            pool,
+            reference,
+            hook,
+            dev,
+            qa,
+            layer: 0,
+        }
+    }
+
+    fn view(&self, w: &WeightRef) -> QMatrix<'a> {
+        QMatrix {
+            ty: w.ty,
+            data: &self.bytes[w.start..w.start + w.len],
+            n_rows: w.n_rows,
+            n_cols: w.n_cols,
+        }
+    }
+
+    fn mm(&mut self, w: &WeightRef, x: &[f32], out: &mut Vec<f32>) -> Result<(), BackendError> {
+        let m = self.view(w);
+        let out = resized(out, x.len() / w.n_cols * w.n_rows);
+        if self.reference {
+            matmul_reference(&m, x, out)?;
+        } else {
+            matmul(self.pool, &m, x, out, &mut self.qa[0])?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cpu<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.dev.scratch.try_lock() {
+            if s.is_empty() {
+                *s = std::mem::take(&mut self.qa);
+            }
+        }
+    }
+}
+
+/// `v` holding exactly `n` values (contents unspecified: every caller overwrites them).
+fn resized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.resize(n, 0.0);
+    &mut v[..n]
+}
+
+/// `gate = gelu(gate) ⊙ up`.
+fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = crate::kernels::ops::gelu(*g) * *u;
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += *b;
+    }
+}
+
+/// Cosines and sines of the RoPE angles, `n_rot / 2` of each per row.
+#[derive(Default)]
+pub struct CpuAngles {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl<'a> Backend for Cpu<'a> {
+    type Dev = CpuDevice;
+    type Buf = Vec<f32>;
+    type Angles = CpuAngles;
+
+    fn embed(
+        &mut self,
+        table: &WeightRef,
+        tokens: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let e = table.n_cols;
+        let out = resized(out, tokens.len() * e);
+        let t = self.view(table);
+        for (i, &tok) in tokens.iter().enumerate() {
+            t.dequantize_row(tok as usize, &mut out[i * e..(i + 1) * e])?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&mut self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(x);
+        self.rms_norm_inplace(out, w, eps);
+    }
+
+    fn rms_norm_inplace(&mut self, x: &mut Vec<f32>, w: &Vec<f32>, eps: f32) {
+        for row in x.chunks_exact_mut(w.len()) {
+            rms_norm(row, w, eps);
+        }
+    }
+
+    fn matmul(
+        &mut self,
+        w: &WeightRef,
+        x: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.mm(w, x, out)
+    }
+
+    fn matmul_many(
+        &mut self,
+        ws: &[&WeightRef],
+        x: &Vec<f32>,
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<(), BackendError> {
+        if self.reference {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.mm(w, x, out)?;
+            }
+            return Ok(());
+        }
+        // one parallel job for all products (same results as separate calls)
+        let views: Vec<QMatrix<'_>> = ws.iter().map(|w| self.view(w)).collect();
+        let mut slices: Vec<&mut [f32]> = outs
+            .iter_mut()
+            .zip(ws)
+            .map(|(o, w)| resized(o, x.len() / w.n_cols * w.n_rows))
+            .collect();
+        matmul_many(self.pool, &views, x, &mut slices, &mut self.qa)?;
+        Ok(())
+    }
+
+    fn glu(
+        &mut self,
+        act: Glu,
+        wg: &WeightRef,
+        wu: &WeightRef,
+        x: &Vec<f32>,
+        gate: &mut Vec<f32>,
+        up: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let n_ff = wg.n_rows;
+        if act == Glu::Silu && !self.reference && self.hook.is_none() {
+            // one parallel job for gate, up and SwiGLU (same results as the steps below)
+            let n = x.len() / wg.n_cols * n_ff;
+            let (g, u) = (resized(gate, n), resized(up, n));
+            matmul_swiglu(
+                self.pool,
+                &self.view(wg),
+                &self.view(wu),
+                x,
+                g,
+                u,
+                &mut self.qa,
+            )?;
+            return Ok(());
+        }
+        self.mm(wg, x, gate)?;
+        self.mm(wu, x, up)?;
+        let il = self.layer;
+        self.hook("ffn_gate", il, gate);
+        self.hook("ffn_up", il, up);
+        match act {
+            Glu::Silu => gexp::swiglu(isa(), gate, up, n_ff),
+            Glu::Gelu => geglu(gate, up),
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, x: &mut Vec<f32>, y: &Vec<f32>) {
+        add_into(x, y);
+    }
+
+    fn add_bias(&mut self, x: &mut Vec<f32>, b: &Vec<f32>) {
+        for row in x.chunks_exact_mut(b.len()) {
+            add_into(row, b);
+        }
+    }
+
+    fn scale(&mut self, x: &mut Vec<f32>, s: f32) {
+        for v in x.iter_mut() {
+            *v *= s;
+        }
+    }
+
+    fn rope_angles(
+        &mut self,
+        rope: &Rope,
+        positions: &[u32],
+        freqs: Option<&Vec<f32>>,
+        out: &mut CpuAngles,
+    ) {
+        let half = rope.n_rot / 2;
+        let n = positions.len();
+        out.half = half;
+        resized(&mut out.cos, n * half);
+        resized(&mut out.sin, n * half);
+        for (i, &p) in positions.iter().enumerate() {
+            rope.angles(
+                p as f32,
+                freqs.map(|f| f.as_slice()),
+                &mut out.cos[i * half..(i + 1) * half],
+                &mut out.sin[i * half..(i + 1) * half],
+            );
+        }
+    }
+
+    fn rope(&mut self, x: &mut Vec<f32>, rope: &Rope, head_dim: usize, a: &CpuAngles) {
+        let half = a.half;
+        let n = a.cos.len() / half.max(1);
+        if n == 0 {
+            return;
+        }
+        let width = x.len() / n;
+        for (i, row) in x.chunks_exact_mut(width).enumerate() {
+            let (c, s) = (
+                &a.cos[i * half..(i + 1) * half],
+                &a.sin[i * half..(i + 1) * half],
+            );
+            for head in row.chunks_exact_mut(head_dim) {
+                rope.apply(head, c, s);
+            }
+        }
+    }
+
+    fn attention(
+        &mut self,
+        spec: &AttnSpec,
+        rows: Rows<'_>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        cache: &mut KvCache,
+        cells: &[usize],
+        out: &mut Vec<f32>,
+    ) {
+        let kvd = cache.kv_dim();
+        for (i, &cell) in cells.iter().enumerate() {
+            cache.write(
+                rows.seq_ids[i],
+                cell,
+                spec.layer,
+                &k[i * kvd..(i + 1) * kvd],
+                &v[i * kvd..(i + 1) * kvd],
+            );
+        }
+        let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
+        attention(self.pool, spec, rows, cache, q, out);
+    }
+
+    fn keep_rows(&mut self, x: &mut Vec<f32>, width: usize, rows: &[usize]) {
+        for (k, &i) in rows.iter().enumerate() {
+            x.copy_within(i * width..(i + 1) * width, k * width);
+        }
+        x.truncate(rows.len() * width);
+    }
+
+    fn read<'b>(&mut self, x: &'b Vec<f32>) -> Cow<'b, [f32]> {
+        Cow::Borrowed(x)
+    }
+
+    fn hook(&mut self, name: &str, layer: usize, x: &Vec<f32>) {
+        self.layer = layer;
+        if let Some(h) = self.hook {
+            h(name, layer, x);
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Causal grouped-query attention of every (token, head) against the cache cells of the
+/// token's sequence whose position is not after the token's (and, with a sliding window,
+/// not `window` or more before it).
+///
+/// The arithmetic follows llama.cpp's CPU flash attention, which its command-line tools
+/// use by default: the query is rounded to f16 for the f16 K·Q product, the softmax is
+/// computed online (running max `m`, running sum `s`), and the weighted sum of values is
+/// accumulated in an f16 vector, rescaled whenever a new maximum appears.
+fn attention(
+    pool: &ThreadPool,
+    spec: &AttnSpec,
+    rows: Rows<'_>,
+    cache: &KvCache,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let (hd, kvd) = (spec.head_dim, cache.kv_dim());
+    let qd = spec.n_head * hd;
+    let group = spec.n_head / spec.n_head_kv;
+    let n = rows.positions.len();
+    let dst = SendPtr(out.as_mut_ptr());
+    let isa = isa();
+    let min_pos = |p: u32| match spec.window {
+        Some(w) => (p + 1).saturating_sub(w),
+        None => 0,
+    };
+    // Queries of one KV head and a run of tokens of one sequence share a task, so keys and
+    // values are converted once for all of them; results do not depend on the grouping.
+    let per_tile = if n == 1 { 1 } else { (16 / group).max(1) };
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    if n > 1 {
+        let mut t0 = 0;
+        while t0 < n {
+            let mut t1 = t0 + 1;
+            while t1 < n && t1 - t0 < per_tile && rows.seq_ids[t1] == rows.seq_ids[t0] {
+                t1 += 1;
+            }
+            tiles.push((t0, t1));
+            t0 = t1;
+        }
+    }
+    let (n_tasks, heads_per_task) = if n == 1 {
+        (spec.n_head, 1)
+    } else {
+        (tiles.len() * spec.n_head_kv, group)
+    };
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        let (t0, t1, head0) = if n == 1 {
+            (0, 1, task)
+        } else {
+            let (t0, t1) = tiles[task / spec.n_head_kv];
+            (t0, t1, (task % spec.n_head_kv) * group)
+        };
+        let kvh = head0 / group;
+        let Some(cells) = cache.seq(rows.seq_ids[t0]) else {
+            for t in t0..t1 {
+                for head in head0..head0 + heads_per_task {
+                    // SAFETY: as below.
+                    unsafe { std::slice::from_raw_parts_mut(dst.0.add(t * qd + head * hd), hd) }
+                        .fill(0.0);
+                }
+            }
+            return;
+        };
+        let kv = HeadAttn {
+            q: &[],
+            k: &cells.k[spec.layer],
+            v: &cells.v[spec.layer],
+            stride: kvd,
+            offset: kvh * hd,
+            pos: &cells.pos,
+            min_pos: 0,
+            max_pos: 0,
+            scale: spec.scale,
+        };
+        if n == 1 {
+            let o = head0 * hd;
+            // SAFETY: each (token, head) output slice belongs to exactly one task.
+            let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
+            let mut one = [GroupQuery {
+                q: &q[o..o + hd],
+                min_pos: min_pos(rows.positions[0]),
+                max_pos: rows.positions[0],
+                out: out_head,
+            }];
+            attn::attend_group(isa, &kv, &mut one);
+            return;
+        }
+        let mut queries = Vec::with_capacity((t1 - t0) * heads_per_task);
+        for t in t0..t1 {
+            for head in head0..head0 + heads_per_task {
+                let o = t * qd + head * hd;
+                // SAFETY: each (token, head) output slice belongs to exactly one task.
+                let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
+                queries.push(GroupQuery {
+                    q: &q[o..o + hd],
+                    min_pos: min_pos(rows.positions[t]),
+                    max_pos: rows.positions[t],
+                    out: out_head,
+                });
+            }
+        }
+        // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on; we
+        // count the rows of this sequence only, so that a request's output does not depend
+        // on what else shares the batch (for one sequence this is llama.cpp's rule)
+        let seq = rows.seq_ids[t0];
+        if rows.seq_ids.iter().filter(|&&s| s == seq).count() >= 64 {
+            attn_long::attend_group(isa, &kv, &mut queries);
+        } else {
+            attn::attend_group(isa, &kv, &mut queries);
+        }
+    });
+}

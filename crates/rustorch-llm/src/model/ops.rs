@@ -1,0 +1,166 @@
+//! What every architecture's step shares: the activation workspace, the per-call inputs and
+//! outputs ([`Step`]), and building blocks made of backend ops (biases, the gated
+//! feed-forward, the final norm and logits).
+
+use rustorch_core::backend::{Backend, Device, Glu, Rows};
+use rustorch_core::kv_cache::KvCache;
+
+use super::{ForwardOutput, HParams, LayerStat, ModelError};
+
+/// Activation buffers kept between forward calls, so decoding allocates nothing per token
+/// besides the returned logits.
+#[derive(Default)]
+pub(crate) struct Workspace<Buf, Ang> {
+    pub x: Buf,
+    pub h: Buf,
+    pub q: Buf,
+    pub k: Buf,
+    pub v: Buf,
+    pub attn: Buf,
+    pub proj: Buf,
+    pub gate: Buf,
+    pub up: Buf,
+    pub angles: Ang,
+}
+
+/// A step's workspace on backend `B`.
+pub(crate) type Ws<B> = Workspace<<B as Backend>::Buf, <B as Backend>::Angles>;
+
+/// Everything of one forward call besides the backend and the activations.
+pub(crate) struct Io<'s> {
+    pub hp: &'s HParams,
+    pub tokens: &'s [u32],
+    pub rows: Rows<'s>,
+    pub cache: &'s mut KvCache,
+    /// The cache cell of each batch row.
+    pub cells: &'s [usize],
+    /// Batch rows that want logits.
+    pub out_rows: Vec<usize>,
+    /// Whether the last layer kept only `out_rows` (see [`Io::keep_output_rows`]).
+    pub kept: bool,
+    pub dump_layers: bool,
+    pub stats: Vec<LayerStat>,
+}
+
+/// One forward call: the backend, the activations and the rest.
+pub(crate) struct Step<'s, B: Backend> {
+    pub be: &'s mut B,
+    pub w: &'s mut Ws<B>,
+    pub io: Io<'s>,
+}
+
+impl Io<'_> {
+    /// The last layer's output only feeds the logits: like llama.cpp, keep just the rows
+    /// that want logits from there on (its kernels depend on the row count).
+    pub fn keep_output_rows<B: Backend>(&mut self, be: &mut B, bufs: &mut [&mut B::Buf]) {
+        if self.out_rows.len() < self.tokens.len() {
+            for b in bufs.iter_mut() {
+                be.keep_rows(b, self.hp.n_embd, &self.out_rows);
+            }
+            self.kept = true;
+        }
+    }
+
+    /// Rows still carried through the layers (fewer once the last layer kept only the
+    /// output rows).
+    pub fn n_rows(&self) -> usize {
+        if self.kept {
+            self.out_rows.len()
+        } else {
+            self.tokens.len()
+        }
+    }
+
+    /// Records `--dump-layers` statistics of the residual stream after layer `il`.
+    pub fn layer_stats<B: Backend>(&mut self, be: &mut B, il: usize, x: &B::Buf) {
+        if !self.dump_layers {
+            return;
+        }
+        let e = self.hp.n_embd;
+        let x = be.read(x);
+        for (k, row) in x.chunks_exact(e).enumerate() {
+            let i = if self.kept { self.out_rows[k] } else { k };
+            self.stats
+                .push(layer_stat(il, i, self.rows.positions[i], row));
+        }
+    }
+
+    /// `logits = (rms_norm(x) * norm) · Woutᵀ` for the rows that want them, with llama.cpp's
+    /// names for the two tensors; `finish` (e.g. final-logit soft-capping) runs in between.
+    pub fn logits<B: Backend>(
+        self,
+        be: &mut B,
+        w: &mut Ws<B>,
+        norm: &<B::Dev as Device>::Vector,
+        output: &<B::Dev as Device>::Mat,
+        finish: impl FnOnce(&mut B, &mut B::Buf),
+    ) -> Result<ForwardOutput, ModelError> {
+        if !self.kept {
+            be.keep_rows(&mut w.x, self.hp.n_embd, &self.out_rows);
+        }
+        be.rms_norm(&w.x, norm, self.hp.rms_eps, &mut w.h);
+        be.hook("result_norm", 0, &w.h);
+        let logits = if self.out_rows.is_empty() {
+            Vec::new()
+        } else {
+            be.matmul(output, &w.h, &mut w.gate)?;
+            finish(be, &mut w.gate);
+            be.hook("result_output", 0, &w.gate);
+            be.read(&w.gate).into_owned()
+        };
+        Ok(ForwardOutput {
+            logits,
+            rows: self.out_rows,
+            layer_stats: self.stats,
+        })
+    }
+}
+
+/// `x[row] += b` when the layer has a bias.
+pub(crate) fn add_bias<B: Backend>(
+    be: &mut B,
+    x: &mut B::Buf,
+    b: Option<&<B::Dev as Device>::Vector>,
+) {
+    if let Some(b) = b {
+        be.add_bias(x, b);
+    }
+}
+
+/// The gated feed-forward of `w.h` into `w.proj`: `(act(h·Wgate) ⊙ h·Wup)·Wdown`.
+pub(crate) fn ffn_glu<B: Backend>(
+    be: &mut B,
+    act: Glu,
+    gate: &<B::Dev as Device>::Mat,
+    up: &<B::Dev as Device>::Mat,
+    down: &<B::Dev as Device>::Mat,
+    w: &mut Ws<B>,
+    il: usize,
+) -> Result<(), ModelError> {
+    be.glu(act, gate, up, &w.h, &mut w.gate, &mut w.up)?;
+    be.hook(
+        match act {
+            Glu::Silu => "ffn_swiglu",
+            Glu::Gelu => "ffn_geglu",
+        },
+        il,
+        &w.gate,
+    );
+    be.matmul(down, &w.gate, &mut w.proj)?;
+    be.hook("ffn_out", il, &w.proj);
+    Ok(())
+}
+
+fn layer_stat(layer: usize, batch_index: usize, pos: u32, row: &[f32]) -> LayerStat {
+    let n = row.len() as f64;
+    let sum: f64 = row.iter().map(|&v| v as f64).sum();
+    let sq: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    LayerStat {
+        layer,
+        batch_index,
+        pos,
+        rms: (sq / n).sqrt() as f32,
+        mean: (sum / n) as f32,
+        max_abs: row.iter().fold(0f32, |m, &v| m.max(v.abs())),
+    }
+}
