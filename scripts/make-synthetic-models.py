@@ -14,7 +14,7 @@ attn_qkv, gate+up fused in ffn_up).
 Every model is a pure function of its architecture's seed, the vocab GGUF and the
 versions of numpy (Generator stream) and gguf-py (writer layout, Q8_0 rounding): the
 same inputs give byte-identical files, so a test can rebuild a model and compare its
-sha256 with the one recorded in tests/fixtures/synthetic/<arch>.json. numpy 2.4 and
+sha256 with the one recorded in tests/fixtures/synthetic/<arch>.json. numpy 2.4.6 and
 gguf 0.19.0 were used.
 
 Metadata keys and tensor names and shapes are those the llama.cpp of
@@ -180,13 +180,12 @@ class Model:
     def f32(self, template: str, value: float) -> None:
         self.key(template, float(value), VT.FLOAT32)
 
-    def common_hparams(self, *, rms_eps: float, rope_base: float, n_ff: int | None = N_FF) -> None:
+    def common_hparams(self, *, rms_eps: float, rope_base: float) -> None:
         K = gguf.Keys
         self.u32(K.LLM.CONTEXT_LENGTH, N_CTX)
         self.u32(K.LLM.EMBEDDING_LENGTH, N_EMBD)
         self.u32(K.LLM.BLOCK_COUNT, N_LAYER)
-        if n_ff is not None:
-            self.u32(K.LLM.FEED_FORWARD_LENGTH, n_ff)
+        self.u32(K.LLM.FEED_FORWARD_LENGTH, N_FF)
         self.u32(K.Attention.HEAD_COUNT, N_HEAD)
         self.u32(K.Attention.HEAD_COUNT_KV, N_HEAD_KV)
         self.f32(K.Rope.FREQ_BASE, rope_base)

@@ -33,6 +33,7 @@ MODELS = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "qwen05": "qwen2.5-coder-0.5b-instruct-q4km.gguf",
     "qwen15": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "gemma3": "gemma-3-270m-q4_k_m.gguf",
 }
 
 PROMPTS = [

@@ -10,7 +10,8 @@ stopping early only at an end-of-generation token), for every step the top-20
 first-step logits as little-endian f32 (the vocab has 32256 tokens, so 126 KiB per
 prompt). Output in tests/fixtures/synthetic/:
 
-    <arch>.json                  model path under models/, its sha256, the cases
+    <arch>.json                  model path under models/, its sha256 (and the numpy and
+                                 gguf-py versions that built it), the cases
     <arch>-case<N>-logits.f32    full first-step logits of prompt N
 
 A test rebuilds the model with make-synthetic-models.py, checks its sha256 against
@@ -30,6 +31,7 @@ Settings are those of scripts/record_parity_fixtures.py: n_ctx 512, n_batch 512,
 logits for every prompt token, f16 KV cache, flash attention on, 2 threads.
 """
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -123,6 +125,7 @@ def record(arch, path):
         "model": os.path.relpath(path, os.path.join(ROOT, "models")),
         "sha256": sha256(path),
         "generator": "scripts/make-synthetic-models.py",
+        "generator_versions": {"numpy": np.__version__, "gguf": importlib.metadata.version("gguf")},
         "n_vocab": llm.n_vocab(),
         "n_ctx": 512,
         "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, f16 KV, n_threads 2",

@@ -1,5 +1,5 @@
 //! Parity with llama.cpp: greedy continuations and per-step logits of SmolLM2-135M Q4_1,
-//! Qwen2.5-Coder-0.5B and Qwen2.5-Coder-1.5B Q4_K_M against fixtures recorded from
+//! Qwen2.5-Coder-0.5B, Qwen2.5-Coder-1.5B Q4_K_M and Gemma-3-270M Q4_K_M against fixtures recorded from
 //! llama.cpp by `scripts/record_parity_fixtures.py` (12 prompts per model).
 
 mod common;
@@ -91,10 +91,12 @@ fn kl_top(step: &Step, ours: &[f32]) -> f64 {
     kl
 }
 
-fn run_model(key: &str, threads: usize) {
+/// Checks one model against its fixture; returns the (case, step, margin) of each greedy
+/// divergence (all at near-ties, or the call fails).
+fn run_model(key: &str, threads: usize) -> Vec<(usize, usize, f32)> {
     let (file, cases) = load_fixture(key);
     let Some(model) = load_model(&file) else {
-        return;
+        return Vec::new();
     };
     let nv = model.hparams().n_vocab;
     let rt = Runtime::new(threads);
@@ -199,6 +201,7 @@ fn run_model(key: &str, threads: usize) {
         greedy_diverged.len(),
         cases.len()
     );
+    greedy_diverged
 }
 
 #[test]
@@ -229,6 +232,25 @@ fn parity_qwen15() {
 #[test]
 fn parity_qwen15_one_thread() {
     run_model("qwen15", 1);
+}
+
+/// Gemma 3 (270M, a base model): every greedy continuation equal to llama.cpp's.
+#[test]
+fn parity_gemma3() {
+    let diverged = run_model("gemma3", 2);
+    assert!(
+        diverged.is_empty(),
+        "gemma3: greedy diverged at {diverged:?}"
+    );
+}
+
+#[test]
+fn parity_gemma3_one_thread() {
+    let diverged = run_model("gemma3", 1);
+    assert!(
+        diverged.is_empty(),
+        "gemma3: greedy diverged at {diverged:?}"
+    );
 }
 
 /// The slow scalar f32 path (dequantize + naive matmul, unquantized activations) and the

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use super::{AttnSpec, Backend, BackendError, Device, Glu, Rows, WeightRef};
 use crate::kernels::attn::{self, GroupQuery, HeadAttn};
-use crate::kernels::ops::{rms_norm, Rope};
+use crate::kernels::ops::{self, rms_norm, Rope};
 use crate::kernels::{
     attn_long, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, QActs, QMatrix,
     ThreadPool,
@@ -113,13 +113,6 @@ impl Drop for Cpu<'_> {
 fn resized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v.resize(n, 0.0);
     &mut v[..n]
-}
-
-/// `gate = gelu(gate) ⊙ up`.
-fn geglu(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = crate::kernels::ops::gelu(*g) * *u;
-    }
 }
 
 fn add_into(x: &mut [f32], y: &[f32]) {
@@ -232,7 +225,7 @@ impl<'a> Backend for Cpu<'a> {
         self.hook("ffn_up", il, up);
         match act {
             Glu::Silu => gexp::swiglu(isa(), gate, up, n_ff),
-            Glu::Gelu => geglu(gate, up),
+            Glu::Gelu => ops::geglu(gate, up),
         }
         Ok(())
     }
@@ -251,6 +244,10 @@ impl<'a> Backend for Cpu<'a> {
         for v in x.iter_mut() {
             *v *= s;
         }
+    }
+
+    fn softcap(&mut self, x: &mut Vec<f32>, cap: f32) {
+        ops::softcap(x, cap);
     }
 
     fn rope_angles(
@@ -418,7 +415,12 @@ fn attention(
             pos: &cells.pos,
             min_pos: 0,
             max_pos: 0,
-            scale: spec.scale,
+            scale: if spec.softcap != 0.0 {
+                spec.scale / spec.softcap
+            } else {
+                spec.scale
+            },
+            softcap: spec.softcap,
         };
         if n == 1 {
             let o = head0 * hd;

@@ -69,6 +69,8 @@ pub struct AttnSpec {
     pub head_dim: usize,
     /// Multiplies `q·k` (usually `1/√head_dim`).
     pub scale: f32,
+    /// Attention-logit soft-capping: scores become `cap · tanh(score / cap)` (0 = none).
+    pub softcap: f32,
     /// Sliding window: a query at position `p` sees cells at positions `p - window < pos ≤ p`
     /// (llama.cpp's standard SWA mask). `None` = the whole causal past.
     pub window: Option<u32>,
@@ -148,6 +150,9 @@ pub trait Backend {
 
     /// `x = x * s`.
     fn scale(&mut self, x: &mut Self::Buf, s: f32);
+
+    /// Soft-capping, `x = tanh(x / cap) · cap` (gemma2's final logits).
+    fn softcap(&mut self, x: &mut Self::Buf, cap: f32);
 
     /// The angles of `rope` for each position (`freqs`: per-pair frequency divisors).
     fn rope_angles(

@@ -18,7 +18,7 @@
 //! single-token decoding over 512 or more cache cells (split over threads); those are not
 //! reproduced here, so results there agree to rounding rather than bit for bit.
 
-use super::cpu::Isa;
+use super::cpu::{native_f16, Isa};
 use crate::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
 
 /// Attention inputs for one query head.
@@ -37,8 +37,23 @@ pub struct HeadAttn<'a> {
     pub pos: &'a [u32],
     pub min_pos: u32,
     pub max_pos: u32,
-    /// Score scale (1 / sqrt(head_dim)).
+    /// Score scale (1 / sqrt(head_dim), divided by `softcap` when capping).
     pub scale: f32,
+    /// Attention-logit soft-capping: a scaled score `s` becomes `softcap · tanh(s)`
+    /// (0 = none), as ggml's flash attention does.
+    pub softcap: f32,
+}
+
+impl HeadAttn<'_> {
+    /// The soft-capped score (identity without a cap).
+    #[inline(always)]
+    pub fn cap(&self, s: f32) -> f32 {
+        if self.softcap != 0.0 {
+            self.softcap * s.tanh()
+        } else {
+            s
+        }
+    }
 }
 
 /// One query of a group attending over the same key/value rows.
@@ -108,7 +123,7 @@ fn online_softmax<A: ?Sized>(
             continue;
         }
         let base = c * h.stride + h.offset;
-        let s = dot_f16(isa, &h.k[base..base + hd], q16) * h.scale;
+        let s = h.cap(dot_f16(isa, &h.k[base..base + hd], q16) * h.scale);
         let (ms, vs, new_max) = online_step(&mut m, s);
         if new_max {
             rescale(acc, ms);
@@ -208,7 +223,8 @@ fn f64_to_f16(x: f64) -> u16 {
 /// `ggml_vec_mad_f16`: `y += x · v`.
 pub fn mad_f16(isa: Isa, y: &mut [u16], x: &[u16], v: f32) {
     let n = y.len().min(x.len());
-    let np = n & !127;
+    // blocks of 128 in native f16 where llama.cpp's build has it, f32 arithmetic otherwise
+    let np = if native_f16() { n & !127 } else { 0 };
     if np > 0 {
         // native f16 fused multiply-add: one rounding of the exact value
         let v16 = f16_to_f32(f32_to_f16(v)) as f64;
@@ -245,7 +261,7 @@ fn mad_native(y: &mut [u16], x: &[u16], v16: f64) {
 /// `ggml_vec_scale_f16`: `y *= v`.
 pub fn scale_f16(isa: Isa, y: &mut [u16], v: f32) {
     let n = y.len();
-    let np = n & !127;
+    let np = if native_f16() { n & !127 } else { 0 };
     if np > 0 {
         let v16 = f16_to_f32(f32_to_f16(v)) as f64;
         for a in y[..np].iter_mut() {
@@ -425,6 +441,7 @@ mod tests {
                 min_pos: 0,
                 max_pos: 30,
                 scale: 1.0 / (hd as f32).sqrt(),
+                softcap: 0.0,
             };
             let mut want = vec![0f32; hd];
             attend_head(Isa::Scalar, &h, &mut want);

@@ -83,7 +83,7 @@ pub fn attend_scalar(h: &HeadAttn<'_>, out: &mut [f32]) {
         for (a, b) in qh.iter().zip(kr) {
             s += a * f16_to_f32(*b);
         }
-        let s = s * h.scale;
+        let s = h.cap(s * h.scale);
         let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
         if new_max {
             for a in acc.iter_mut() {
@@ -119,7 +119,7 @@ fn attend_scalar_large(h: &HeadAttn<'_>, out: &mut [f32]) {
         for (a, b) in qh.iter().zip(&h.k[base..base + hd]) {
             s += a * f16_to_f32(*b);
         }
-        let s = s * h.scale;
+        let s = h.cap(s * h.scale);
         let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
         if new_max {
             for a in acc.iter_mut() {
@@ -188,7 +188,7 @@ mod x86 {
                     _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(base + 16 * i) as *const __m256i));
                 s0 = _mm512_fmadd_ps(q[i], k0, s0);
             }
-            let s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale;
+            let s = h.cap(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * h.scale);
             let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
             if new_max {
                 let msv = _mm512_set1_ps(ms);
@@ -429,6 +429,11 @@ mod x86 {
                 let sv = _mm512_mul_ps(transpose_sum16(&z), _mm512_set1_ps(h.scale));
                 let mut sc = [0f32; 16];
                 _mm512_storeu_ps(sc.as_mut_ptr(), sv);
+                if h.softcap != 0.0 {
+                    for v in sc.iter_mut() {
+                        *v = h.cap(*v);
+                    }
+                }
                 let mut arg = [0f32; 16];
                 let mut rj = 0u32;
                 let mut mj = m[j];
@@ -549,7 +554,7 @@ mod x86 {
                 let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(base + 8 * i) as *const __m128i));
                 s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), k0, s0);
             }
-            let s = hsum(_mm256_add_ps(s0, s1)) * h.scale;
+            let s = h.cap(hsum(_mm256_add_ps(s0, s1)) * h.scale);
             let (ms, vs, new_max) = crate::kernels::attn::online_step(&mut m, s);
             if new_max {
                 let msv = _mm256_set1_ps(ms);

@@ -89,6 +89,29 @@ fn has_avx512() -> bool {
 }
 
 static ACTIVE: AtomicU8 = AtomicU8::new(0);
+static NATIVE_F16: AtomicU8 = AtomicU8::new(0);
+
+/// Whether llama.cpp, built for this CPU, does f16 vector arithmetic natively (AVX512-FP16,
+/// Sapphire Rapids and later): its f16 multiply-adds and scalings then round once in f16
+/// instead of going through f32. Off below AVX-512, or with `RUSTORCH_NO_AVX512FP16=1`
+/// (to reproduce a build for a CPU without it, such as AMD Zen 4).
+#[inline]
+pub fn native_f16() -> bool {
+    match NATIVE_F16.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            #[cfg(target_arch = "x86_64")]
+            let has = isa() == Isa::Avx512
+                && is_x86_feature_detected!("avx512fp16")
+                && std::env::var_os("RUSTORCH_NO_AVX512FP16").is_none_or(|v| v == "0");
+            #[cfg(not(target_arch = "x86_64"))]
+            let has = false;
+            NATIVE_F16.store(if has { 2 } else { 1 }, Ordering::Relaxed);
+            has
+        }
+    }
+}
 
 /// The family the kernels use: the best available, lowered by `RUSTORCH_ISA`.
 #[inline]

@@ -27,7 +27,7 @@ pub mod vexp;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use cpu::{isa, Isa};
+pub use cpu::{isa, native_f16, Isa};
 pub use dot::{has_kernel, vec_dot, vec_dot_type};
 pub use fdot::{dot_f32_slices, dot_float};
 pub use pool::{physical_cores, ThreadPool};

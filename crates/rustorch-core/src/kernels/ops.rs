@@ -3,6 +3,7 @@
 //! llama.cpp closely.
 
 use super::dot::rd_f32;
+use crate::quant::{f16_to_f32, f32_to_f16};
 
 /// RMS normalisation in place, then multiplication by `weight`:
 /// `x = (x / sqrt(mean(x²) + eps)) * weight`. The sum of squares is accumulated in f64
@@ -121,12 +122,49 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// GELU with ggml's tanh approximation.
+/// GELU with ggml's tanh approximation, computed as llama.cpp's CPU build computes each
+/// entry of its f16 GELU table: `1 + A·x²` contracted to one fused multiply-add,
+/// `(1 + tanh(√(2/π)·x·(1 + A·x²))) · (x/2)`.
 #[inline]
 pub fn gelu(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044715;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+    let inner = (COEF_A * x).mul_add(x, 1.0);
+    (1.0 + ((SQRT_2_OVER_PI * x) * inner).tanh()) * (0.5 * x)
+}
+
+/// ggml's GELU lookup table: for every f16 bit pattern `h`, `f16(gelu(f32(h)))`.
+fn gelu_table() -> &'static [u16] {
+    static TABLE: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|h| f32_to_f16(gelu(f16_to_f32(h))))
+            .collect()
+    })
+}
+
+/// `gate = gelu(gate) ⊙ up` (GeGLU) as ggml's CPU computes it: through the f16 GELU table
+/// (the input rounded to f16), 0 from -10 down and the identity from 10 up.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * u
+        } else {
+            f16_to_f32(table[f32_to_f16(x) as usize]) * u
+        };
+    }
+}
+
+/// Soft-capping, `tanh(x / cap) · cap`, as ggml's scale, tanh, scale sequence.
+pub fn softcap(x: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for v in x.iter_mut() {
+        *v = (*v * inv).tanh() * cap;
+    }
 }
 
 /// Dot product of an f32 slice with f32 values stored as little-endian bytes.

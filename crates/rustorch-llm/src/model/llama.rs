@@ -1,12 +1,13 @@
-//! The llama architecture (SmolLM2, TinyLlama, Llama-2/3, Mistral) and its qwen2
-//! variant, read top to bottom:
+//! The llama architecture (SmolLM2, TinyLlama, Llama-2/3, Mistral) and its qwen2 and
+//! qwen3 variants, read top to bottom:
 //!
 //! ```text
 //! x = embed(tokens)
 //! for each layer:
 //!     h = rms_norm(x) * attn_norm
 //!     q, k, v = h·Wq (+bq), h·Wk (+bk), h·Wv (+bv)      qwen2 has the biases
-//!     q, k = rope(q, pos), rope(k, pos)                  llama: adjacent pairs, qwen2: NEOX halves
+//!     q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm  per head; qwen3 only
+//!     q, k = rope(q, pos), rope(k, pos)                  llama: adjacent pairs, qwen: NEOX halves
 //!     cache[seq][pos] = k, v
 //!     a = softmax(q·Kᵀ / √d, causal by position) · V     grouped-query: head h reads KV head h / (n_head / n_kv)
 //!     x = x + a·Wo
@@ -29,6 +30,8 @@ struct Layer<D: Device> {
     bq: Option<D::Vector>,
     bk: Option<D::Vector>,
     bv: Option<D::Vector>,
+    q_norm: Option<D::Vector>,
+    k_norm: Option<D::Vector>,
     ffn_norm: D::Vector,
     w_gate: D::Mat,
     w_up: D::Mat,
@@ -59,6 +62,13 @@ impl<D: Device> Llama<D> {
                     ld.optional_vector(&n(s), len)
                 }
             };
+            let qk_norm = |s: &str| {
+                if hp.arch == Arch::Qwen3 {
+                    ld.vector(&n(s), hp.head_dim).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
             layers.push(Layer {
                 attn_norm: ld.vector(&n("attn_norm.weight"), e)?,
                 wq: ld.matrix(&n("attn_q.weight"), e, q)?,
@@ -68,6 +78,8 @@ impl<D: Device> Llama<D> {
                 bq: bias("attn_q.bias", q)?,
                 bk: bias("attn_k.bias", kv)?,
                 bv: bias("attn_v.bias", kv)?,
+                q_norm: qk_norm("attn_q_norm.weight")?,
+                k_norm: qk_norm("attn_k_norm.weight")?,
                 ffn_norm: ld.vector(&n("ffn_norm.weight"), e)?,
                 w_gate: ld.matrix(&n("ffn_gate.weight"), e, ff)?,
                 w_up: ld.matrix(&n("ffn_up.weight"), e, ff)?,
@@ -103,6 +115,7 @@ impl<D: Device> Llama<D> {
             n_head_kv: hp.n_head_kv,
             head_dim: hp.head_dim,
             scale: 1.0 / (hp.head_dim as f32).sqrt(),
+            softcap: 0.0,
             window: None,
         };
 
@@ -125,6 +138,12 @@ impl<D: Device> Llama<D> {
             be.hook("Qcur", il, &w.q);
             be.hook("Kcur", il, &w.k);
             be.hook("Vcur", il, &w.v);
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                be.rms_norm_inplace(&mut w.q, qn, hp.rms_eps);
+                be.rms_norm_inplace(&mut w.k, kn, hp.rms_eps);
+                be.hook("Qcur_normed", il, &w.q);
+                be.hook("Kcur_normed", il, &w.k);
+            }
             // rotate q and k by each token's own position
             be.rope(&mut w.q, &hp.rope, hp.head_dim, &w.angles);
             be.rope(&mut w.k, &hp.rope, hp.head_dim, &w.angles);

@@ -1,6 +1,7 @@
 //! Model loading: hyper-parameters from GGUF metadata, weights as views into the
 //! memory-mapped file, and the architectures that run them.
 
+mod gemma;
 mod llama;
 mod ops;
 
@@ -27,13 +28,25 @@ pub enum Arch {
     Llama,
     /// Qwen2 / Qwen2.5: llama with QKV bias and NEOX RoPE
     Qwen2,
+    /// Qwen3: llama with per-head Q/K RMSNorm and NEOX RoPE
+    Qwen3,
+    /// Gemma 2: GeGLU, post-norms, soft-capped attention and logits, alternating windows
+    Gemma2,
+    /// Gemma 3: GeGLU, post-norms, Q/K norm, sliding-window layers with their own RoPE base
+    Gemma3,
 }
 
 impl Arch {
+    /// Every architecture name this engine runs, as GGUF files spell them.
+    pub const NAMES: &'static [&'static str] = &["llama", "qwen2", "qwen3", "gemma2", "gemma3"];
+
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" => Some(Arch::Llama),
             "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
+            "gemma2" => Some(Arch::Gemma2),
+            "gemma3" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -54,6 +67,16 @@ pub struct HParams {
     pub n_ff: usize,
     pub rms_eps: f32,
     pub rope: Rope,
+    /// Sliding-window size of the windowed layers (0 = no windowed layers).
+    pub n_swa: u32,
+    /// Per layer: whether it attends over a sliding window (with [`HParams::rope_swa`]).
+    pub swa_layers: Vec<bool>,
+    /// RoPE of the sliding-window layers.
+    pub rope_swa: Rope,
+    /// Attention-logit soft-capping (0 = none).
+    pub attn_softcap: f32,
+    /// Final-logit soft-capping (0 = none).
+    pub final_softcap: f32,
 }
 
 impl HParams {
@@ -70,7 +93,7 @@ impl HParams {
 pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("unsupported architecture '{0}' (supported: llama, qwen2)")]
+    #[error("unsupported architecture '{0}' (supported: {list})", list = Arch::NAMES.join(", "))]
     UnsupportedArch(String),
     #[error("tensor '{name}' is missing")]
     MissingTensor { name: String },
@@ -249,7 +272,60 @@ impl HParams {
         };
         let mode = match arch {
             Arch::Llama => RopeMode::Normal,
-            Arch::Qwen2 => RopeMode::Neox,
+            _ => RopeMode::Neox,
+        };
+        let n_layer = hp_u32(g, &k("block_count"))?;
+        let rope = Rope {
+            mode,
+            n_rot,
+            freq_base,
+            freq_scale,
+        };
+        let f32_or = |key: &str, default: f32| -> Result<f32, ModelError> {
+            match g.get(&k(key)) {
+                Some(_) => Ok(g.get_f32(&k(key))?),
+                None => Ok(default),
+            }
+        };
+        // Sliding windows (llama.cpp's standard SWA): a window size and a layer pattern
+        // whose every n-th layer attends globally.
+        let (n_swa, default_pattern, rope_swa) = match arch {
+            Arch::Gemma2 => (
+                hp_opt_u32(g, &k("attention.sliding_window"))?.unwrap_or(4096),
+                2,
+                Rope {
+                    freq_base: f32_or("rope.freq_base_swa", freq_base)?,
+                    ..rope
+                },
+            ),
+            Arch::Gemma3 => (
+                hp_opt_u32(g, &k("attention.sliding_window"))?.unwrap_or(0),
+                6,
+                Rope {
+                    freq_base: f32_or("rope.freq_base_swa", 10000.0)?,
+                    freq_scale: 1.0,
+                    ..rope
+                },
+            ),
+            _ => (0, 0, rope),
+        };
+        let swa_layers = if n_swa == 0 {
+            vec![false; n_layer]
+        } else {
+            swa_pattern(
+                g,
+                &k("attention.sliding_window_pattern"),
+                default_pattern,
+                n_layer,
+            )?
+        };
+        let (attn_softcap, final_softcap) = match arch {
+            Arch::Gemma2 => (
+                f32_or("attn_logit_softcapping", 50.0)?,
+                f32_or("final_logit_softcapping", 30.0)?,
+            ),
+            Arch::Gemma3 => (0.0, f32_or("final_logit_softcapping", 0.0)?),
+            _ => (0.0, 0.0),
         };
         Ok(HParams {
             arch,
@@ -257,20 +333,52 @@ impl HParams {
             n_vocab,
             n_ctx_train: hp_u32(g, &k("context_length"))?,
             n_embd,
-            n_layer: hp_u32(g, &k("block_count"))?,
+            n_layer,
             n_head,
             n_head_kv,
             head_dim,
             n_ff: hp_u32(g, &k("feed_forward_length"))?,
             rms_eps: g.get_f32(&k("attention.layer_norm_rms_epsilon"))?,
-            rope: Rope {
-                mode,
-                n_rot,
-                freq_base,
-                freq_scale,
-            },
+            rope,
+            n_swa: n_swa as u32,
+            swa_layers,
+            rope_swa,
+            attn_softcap,
+            final_softcap,
         })
     }
+}
+
+/// Which layers slide: a per-layer array of booleans, or a period `n` whose last layer in
+/// each period is global (`il % n < n - 1` slides; `n = 0`: every layer slides).
+fn swa_pattern(
+    g: &GgufFile,
+    key: &str,
+    default: usize,
+    n_layer: usize,
+) -> Result<Vec<bool>, ModelError> {
+    use rustorch_core::gguf::Value;
+    let n = match g.get(key) {
+        None => default,
+        Some(Value::Array(_, items)) => {
+            let flags: Option<Vec<bool>> = items
+                .iter()
+                .map(|v| match v {
+                    Value::Bool(b) => Some(*b),
+                    _ => None,
+                })
+                .collect();
+            return match flags {
+                Some(f) if f.len() == n_layer => Ok(f),
+                _ => Err(ModelError::BadHParam {
+                    key: key.to_string(),
+                    reason: format!("expected {n_layer} booleans"),
+                }),
+            };
+        }
+        Some(_) => hp_u32(g, key)?,
+    };
+    Ok((0..n_layer).map(|il| n == 0 || il % n < n - 1).collect())
 }
 
 /// Per-layer statistics of the residual stream for one token (`--dump-layers`).
@@ -335,12 +443,14 @@ impl Runtime {
 /// An architecture's weights on device `D`.
 enum Graph<D: Device> {
     Llama(llama::Llama<D>),
+    Gemma(gemma::Gemma<D>),
 }
 
 impl<D: Device> Graph<D> {
     fn load(ld: &Loader<'_, D>, hp: &HParams) -> Result<Self, ModelError> {
         Ok(match hp.arch {
-            Arch::Llama | Arch::Qwen2 => Graph::Llama(llama::Llama::load(ld, hp)?),
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Graph::Llama(llama::Llama::load(ld, hp)?),
+            Arch::Gemma2 | Arch::Gemma3 => Graph::Gemma(gemma::Gemma::load(ld, hp)?),
         })
     }
 
@@ -350,6 +460,7 @@ impl<D: Device> Graph<D> {
     ) -> Result<ForwardOutput, ModelError> {
         match self {
             Graph::Llama(g) => g.forward(st),
+            Graph::Gemma(g) => g.forward(st),
         }
     }
 }

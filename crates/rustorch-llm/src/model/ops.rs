@@ -21,6 +21,8 @@ pub(crate) struct Workspace<Buf, Ang> {
     pub gate: Buf,
     pub up: Buf,
     pub angles: Ang,
+    /// Angles of the sliding-window layers (architectures with a second RoPE base).
+    pub angles_swa: Ang,
 }
 
 /// A step's workspace on backend `B`.
