@@ -16,6 +16,7 @@ pub mod attn_long;
 mod cpu;
 mod dot;
 mod fdot;
+pub mod float_mm;
 mod fmt;
 pub mod gexp;
 pub mod ops;
@@ -186,6 +187,10 @@ pub fn matmul_with(
     }
     if w.ty == GgmlType::Q6_K && n_tok >= 8 && cfg!(target_arch = "x86_64") {
         return matmul_q6k_tiled(pool, w, x, out);
+    }
+    if float_mm::is_float(w.ty) {
+        float_mm::matmul_float(pool, isa, w, x, out);
+        return Ok(());
     }
     if !has_kernel(w.ty) {
         return matmul_dequant(pool, w, x, out);
