@@ -144,6 +144,7 @@ fn run(arch: &str, threads: usize) {
             bad.push(ci);
         }
     }
+    eprintln!("{arch} ({threads} threads): {}", report.join("; "));
     assert!(
         bad.is_empty(),
         "{arch} ({threads} threads) differs from llama.cpp in cases {bad:?}:\n{}",

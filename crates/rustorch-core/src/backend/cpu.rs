@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::sync::Mutex;
 
-use super::{AttnSpec, Backend, BackendError, Device, Glu, Rows, WeightRef};
+use super::{AttnSpec, Backend, BackendError, Device, Glu, Moe, Rows, WeightRef};
 use crate::kernels::attn::{self, GroupQuery, HeadAttn};
 use crate::kernels::ops::{self, rms_norm, Rope};
 use crate::kernels::{
@@ -226,6 +226,64 @@ impl<'a> Backend for Cpu<'a> {
         match act {
             Glu::Silu => gexp::swiglu(isa(), gate, up, n_ff),
             Glu::Gelu => ops::geglu(gate, up),
+        }
+        Ok(())
+    }
+
+    fn moe(
+        &mut self,
+        moe: &Moe<'_, WeightRef>,
+        x: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let e = moe.router.n_cols;
+        let n_expert = moe.router.n_rows;
+        let n = x.len() / e;
+        let k = moe.n_used;
+        // router probabilities, then each row's experts and weights
+        let mut probs = Vec::new();
+        self.mm(moe.router, x, &mut probs)?;
+        let mut picked = vec![0usize; n * k];
+        let mut weights = vec![0f32; n * k];
+        for t in 0..n {
+            let p = &mut probs[t * n_expert..(t + 1) * n_expert];
+            ops::soft_max(p);
+            let mut order: Vec<usize> = (0..n_expert).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+            let w = &mut weights[t * k..(t + 1) * k];
+            for (s, &ex) in order[..k].iter().enumerate() {
+                picked[t * k + s] = ex;
+                w[s] = p[ex];
+            }
+            if moe.norm {
+                let sum = (w.iter().map(|&v| v as f64).sum::<f64>() as f32).max(6.103_515_6e-5);
+                for v in w.iter_mut() {
+                    *v /= sum;
+                }
+            }
+        }
+        // each expert over the rows routed to it, one row at a time: llama.cpp's
+        // mul_mat_id takes the single-row kernels for these formats
+        let mut slots: Vec<Vec<f32>> = vec![Vec::new(); n * k];
+        let (mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new());
+        for ex in 0..n_expert {
+            for (i, _) in picked.iter().enumerate().filter(|&(_, &p)| p == ex) {
+                let xr = &x[(i / k) * e..(i / k + 1) * e];
+                self.mm(&moe.gate[ex], xr, &mut g)?;
+                self.mm(&moe.up[ex], xr, &mut u)?;
+                gexp::swiglu(isa(), &mut g, &u, moe.gate[ex].n_rows);
+                self.mm(&moe.down[ex], &g, &mut d)?;
+                let wt = weights[i];
+                slots[i] = d.iter().map(|&v| v * wt).collect();
+            }
+        }
+        let out = resized(out, n * e);
+        for t in 0..n {
+            let o = &mut out[t * e..(t + 1) * e];
+            o.copy_from_slice(&slots[t * k]);
+            for s in 1..k {
+                add_into(o, &slots[t * k + s]);
+            }
         }
         Ok(())
     }

@@ -76,6 +76,18 @@ pub struct AttnSpec {
     pub window: Option<u32>,
 }
 
+/// A mixture-of-experts feed-forward: a softmax router picks `n_used` experts per token,
+/// their weights normalised to sum 1 (when `norm`), and each expert is a SwiGLU FFN.
+pub struct Moe<'a, M> {
+    /// `n_expert` rows: one router logit per expert.
+    pub router: &'a M,
+    pub gate: &'a [M],
+    pub up: &'a [M],
+    pub down: &'a [M],
+    pub n_used: usize,
+    pub norm: bool,
+}
+
 /// The long-lived half of a backend: turns GGUF weights into the device's representation.
 pub trait Device: Send + Sync {
     /// A weight matrix in its GGUF format.
@@ -140,6 +152,16 @@ pub trait Backend {
         x: &Self::Buf,
         gate: &mut Self::Buf,
         up: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `out[t] = Σ_slot w[t][slot] · down_e((silu(x[t]·gate_e) ⊙ x[t]·up_e))` over the experts
+    /// the router picks for row `t`, summed in the router's order (llama.cpp's
+    /// `build_moe_ffn` with softmax gating).
+    fn moe(
+        &mut self,
+        moe: &Moe<'_, <Self::Dev as Device>::Mat>,
+        x: &Self::Buf,
+        out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
     /// `x = x + y`.

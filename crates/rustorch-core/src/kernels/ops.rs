@@ -90,18 +90,24 @@ impl Rope {
     }
 }
 
-/// Softmax in place with the sum accumulated in f64 (ggml's `ggml_vec_soft_max_f32`).
-pub fn softmax(x: &mut [f32]) {
+/// `ggml_soft_max` of one row on an AVX-512 build: blocks of 16 with ggml's vectorised
+/// `expf`, each block's sum reduced like `_mm512_reduce_add_ps` and added in f64, the tail
+/// with the C library's `expf`, then every value scaled by `f32(1 / sum)`.
+pub fn soft_max(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        let e = if *v == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (*v - max).exp()
-        };
-        *v = e;
-        sum += e as f64;
+    let n16 = x.len() & !15;
+    let mut sum = 0f64;
+    for block in x[..n16].chunks_exact_mut(16) {
+        for v in block.iter_mut() {
+            *v = super::gexp::expf(*v - max);
+        }
+        let w: [f32; 8] = std::array::from_fn(|l| block[l + 8] + block[l]);
+        let u: [f32; 4] = std::array::from_fn(|l| w[l + 4] + w[l]);
+        sum += ((u[0] + u[2]) + (u[1] + u[3])) as f64;
+    }
+    for v in x[n16..].iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
     }
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {

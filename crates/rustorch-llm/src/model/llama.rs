@@ -1,5 +1,5 @@
-//! The llama architecture (SmolLM2, TinyLlama, Llama-2/3, Mistral) and its qwen2 and
-//! qwen3 variants, read top to bottom:
+//! The llama architecture (SmolLM2, TinyLlama, Llama-2/3, Mistral) and its qwen2, qwen3
+//! and qwen3moe variants, read top to bottom:
 //!
 //! ```text
 //! x = embed(tokens)
@@ -13,10 +13,12 @@
 //!     x = x + a·Wo
 //!     h = rms_norm(x) * ffn_norm
 //!     x = x + (silu(h·Wgate) ⊙ h·Wup)·Wdown             SwiGLU
+//!       qwen3moe: x = x + Σ_{e ∈ top-k(softmax(h·Wrouter))} w_e · SwiGLU_e(h),
+//!                 the k weights normalised to sum 1
 //! logits = rms_norm(x) * output_norm · Woutᵀ            Wout may be tied to the embedding
 //! ```
 
-use rustorch_core::backend::{AttnSpec, Backend, Device, Glu};
+use rustorch_core::backend::{AttnSpec, Backend, Device, Glu, Moe};
 
 use super::ops::{self, Step};
 use super::{Arch, ForwardOutput, HParams, Loader, ModelError};
@@ -33,9 +35,22 @@ struct Layer<D: Device> {
     q_norm: Option<D::Vector>,
     k_norm: Option<D::Vector>,
     ffn_norm: D::Vector,
-    w_gate: D::Mat,
-    w_up: D::Mat,
-    w_down: D::Mat,
+    ffn: Ffn<D>,
+}
+
+/// The feed-forward of a layer: one SwiGLU, or a router over SwiGLU experts.
+enum Ffn<D: Device> {
+    Dense {
+        gate: D::Mat,
+        up: D::Mat,
+        down: D::Mat,
+    },
+    Experts {
+        router: D::Mat,
+        gate: Vec<D::Mat>,
+        up: Vec<D::Mat>,
+        down: Vec<D::Mat>,
+    },
 }
 
 pub(crate) struct Llama<D: Device> {
@@ -63,7 +78,7 @@ impl<D: Device> Llama<D> {
                 }
             };
             let qk_norm = |s: &str| {
-                if hp.arch == Arch::Qwen3 {
+                if matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe) {
                     ld.vector(&n(s), hp.head_dim).map(Some)
                 } else {
                     Ok(None)
@@ -81,9 +96,21 @@ impl<D: Device> Llama<D> {
                 q_norm: qk_norm("attn_q_norm.weight")?,
                 k_norm: qk_norm("attn_k_norm.weight")?,
                 ffn_norm: ld.vector(&n("ffn_norm.weight"), e)?,
-                w_gate: ld.matrix(&n("ffn_gate.weight"), e, ff)?,
-                w_up: ld.matrix(&n("ffn_up.weight"), e, ff)?,
-                w_down: ld.matrix(&n("ffn_down.weight"), ff, e)?,
+                ffn: if hp.n_expert > 0 {
+                    let (ne, fe) = (hp.n_expert, hp.n_ff_exp);
+                    Ffn::Experts {
+                        router: ld.matrix(&n("ffn_gate_inp.weight"), e, ne)?,
+                        gate: ld.matrix_stack(&n("ffn_gate_exps.weight"), e, fe, ne)?,
+                        up: ld.matrix_stack(&n("ffn_up_exps.weight"), e, fe, ne)?,
+                        down: ld.matrix_stack(&n("ffn_down_exps.weight"), fe, e, ne)?,
+                    }
+                } else {
+                    Ffn::Dense {
+                        gate: ld.matrix(&n("ffn_gate.weight"), e, ff)?,
+                        up: ld.matrix(&n("ffn_up.weight"), e, ff)?,
+                        down: ld.matrix(&n("ffn_down.weight"), ff, e)?,
+                    }
+                },
             });
         }
         Ok(Llama {
@@ -174,7 +201,28 @@ impl<D: Device> Llama<D> {
             be.rms_norm(&w.x, &l.ffn_norm, hp.rms_eps, &mut w.h);
             be.hook("ffn_norm", il, &w.h);
             if io.n_rows() > 0 {
-                ops::ffn_glu(be, Glu::Silu, &l.w_gate, &l.w_up, &l.w_down, w, il)?;
+                match &l.ffn {
+                    Ffn::Dense { gate, up, down } => {
+                        ops::ffn_glu(be, Glu::Silu, gate, up, down, w, il)?
+                    }
+                    Ffn::Experts {
+                        router,
+                        gate,
+                        up,
+                        down,
+                    } => {
+                        let moe = Moe {
+                            router,
+                            gate,
+                            up,
+                            down,
+                            n_used: hp.n_expert_used,
+                            norm: true,
+                        };
+                        be.moe(&moe, &w.h, &mut w.proj)?;
+                        be.hook("ffn_moe_out", il, &w.proj);
+                    }
+                }
                 be.add(&mut w.x, &w.proj);
             }
             be.hook("l_out", il, &w.x);

@@ -4,6 +4,7 @@
 mod gemma;
 mod llama;
 mod ops;
+mod phi3;
 
 use std::sync::{Arc, Mutex};
 
@@ -30,6 +31,10 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: llama with per-head Q/K RMSNorm and NEOX RoPE
     Qwen3,
+    /// Qwen3-MoE: qwen3 with a mixture-of-experts feed-forward
+    Qwen3Moe,
+    /// Phi-3: llama with fused QKV and gate/up weights, queries scaled before attention
+    Phi3,
     /// Gemma 2: GeGLU, post-norms, soft-capped attention and logits, alternating windows
     Gemma2,
     /// Gemma 3: GeGLU, post-norms, Q/K norm, sliding-window layers with their own RoPE base
@@ -38,13 +43,17 @@ pub enum Arch {
 
 impl Arch {
     /// Every architecture name this engine runs, as GGUF files spell them.
-    pub const NAMES: &'static [&'static str] = &["llama", "qwen2", "qwen3", "gemma2", "gemma3"];
+    pub const NAMES: &'static [&'static str] = &[
+        "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3",
+    ];
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" => Some(Arch::Llama),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
+            "qwen3moe" => Some(Arch::Qwen3Moe),
+            "phi3" => Some(Arch::Phi3),
             "gemma2" => Some(Arch::Gemma2),
             "gemma3" => Some(Arch::Gemma3),
             _ => None,
@@ -77,6 +86,11 @@ pub struct HParams {
     pub attn_softcap: f32,
     /// Final-logit soft-capping (0 = none).
     pub final_softcap: f32,
+    /// Mixture of experts: experts per layer (0 = a dense feed-forward), experts used per
+    /// token, and each expert's feed-forward length.
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub n_ff_exp: usize,
 }
 
 impl HParams {
@@ -163,22 +177,65 @@ impl<D: Device> Loader<'_, D> {
 
     /// A 2-D weight of `n_rows` rows by `n_cols` columns (ggml shape `[n_cols, n_rows]`).
     pub fn matrix(&self, name: &str, n_cols: usize, n_rows: usize) -> Result<D::Mat, ModelError> {
+        let mut m = self.matrices(name, &[n_cols, n_rows], &[n_rows])?;
+        Ok(m.remove(0))
+    }
+
+    /// A fused weight of shape `[n_cols, Σ parts]` split into row blocks of `parts` rows
+    /// (phi3's `attn_qkv` and gate+up `ffn_up`): each output row is its own dot product, so
+    /// the blocks compute exactly what the fused product does.
+    pub fn matrix_parts(
+        &self,
+        name: &str,
+        n_cols: usize,
+        parts: &[usize],
+    ) -> Result<Vec<D::Mat>, ModelError> {
+        self.matrices(name, &[n_cols, parts.iter().sum()], parts)
+    }
+
+    /// A stack of `n` matrices, ggml shape `[n_cols, n_rows, n]` (MoE experts).
+    pub fn matrix_stack(
+        &self,
+        name: &str,
+        n_cols: usize,
+        n_rows: usize,
+        n: usize,
+    ) -> Result<Vec<D::Mat>, ModelError> {
+        self.matrices(name, &[n_cols, n_rows, n], &vec![n_rows; n])
+    }
+
+    /// The tensor `name` of ggml shape `dims`, cut into consecutive blocks of `parts` rows.
+    fn matrices(
+        &self,
+        name: &str,
+        dims: &[usize],
+        parts: &[usize],
+    ) -> Result<Vec<D::Mat>, ModelError> {
         let t = self.info(name)?;
-        self.check_shape(t, &[n_cols as u64, n_rows as u64])?;
+        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        self.check_shape(t, &want)?;
         if !quant::supports_dequantize(t.ty) {
             return Err(ModelError::UnsupportedType {
                 name: name.to_string(),
                 ty: t.ty,
             });
         }
-        let w = WeightRef {
-            ty: t.ty,
-            start: (self.gguf.data_offset() + t.offset) as usize,
-            len: t.n_bytes as usize,
-            n_rows,
-            n_cols,
-        };
-        Ok(self.dev.matrix(self.gguf.bytes(), &w)?)
+        let n_cols = dims[0];
+        let row_bytes = n_cols / t.ty.block_size() * t.ty.type_size();
+        let mut start = (self.gguf.data_offset() + t.offset) as usize;
+        let mut out = Vec::with_capacity(parts.len());
+        for &n_rows in parts {
+            let w = WeightRef {
+                ty: t.ty,
+                start,
+                len: n_rows * row_bytes,
+                n_rows,
+                n_cols,
+            };
+            start += w.len;
+            out.push(self.dev.matrix(self.gguf.bytes(), &w)?);
+        }
+        Ok(out)
     }
 
     /// `output.weight`, or the token embedding when the output is tied to it.
@@ -327,6 +384,20 @@ impl HParams {
             Arch::Gemma3 => (0.0, f32_or("final_logit_softcapping", 0.0)?),
             _ => (0.0, 0.0),
         };
+        let n_ff = hp_u32(g, &k("feed_forward_length"))?;
+        let n_expert = hp_opt_u32(g, &k("expert_count"))?.unwrap_or(0);
+        let n_expert_used = hp_opt_u32(g, &k("expert_used_count"))?.unwrap_or(0);
+        if n_expert > 0 && (n_expert_used == 0 || n_expert_used > n_expert) {
+            return Err(ModelError::BadHParam {
+                key: k("expert_used_count"),
+                reason: format!("{n_expert_used} experts used of {n_expert}"),
+            });
+        }
+        let n_ff_exp = match hp_opt_u32(g, &k("expert_feed_forward_length"))? {
+            Some(v) => v,
+            None if n_expert_used > 0 => n_ff / n_expert_used,
+            None => 0,
+        };
         Ok(HParams {
             arch,
             arch_name: arch_name.clone(),
@@ -337,7 +408,7 @@ impl HParams {
             n_head,
             n_head_kv,
             head_dim,
-            n_ff: hp_u32(g, &k("feed_forward_length"))?,
+            n_ff,
             rms_eps: g.get_f32(&k("attention.layer_norm_rms_epsilon"))?,
             rope,
             n_swa: n_swa as u32,
@@ -345,6 +416,9 @@ impl HParams {
             rope_swa,
             attn_softcap,
             final_softcap,
+            n_expert,
+            n_expert_used,
+            n_ff_exp,
         })
     }
 }
@@ -444,12 +518,16 @@ impl Runtime {
 enum Graph<D: Device> {
     Llama(llama::Llama<D>),
     Gemma(gemma::Gemma<D>),
+    Phi3(phi3::Phi3<D>),
 }
 
 impl<D: Device> Graph<D> {
     fn load(ld: &Loader<'_, D>, hp: &HParams) -> Result<Self, ModelError> {
         Ok(match hp.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Graph::Llama(llama::Llama::load(ld, hp)?),
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
+                Graph::Llama(llama::Llama::load(ld, hp)?)
+            }
+            Arch::Phi3 => Graph::Phi3(phi3::Phi3::load(ld, hp)?),
             Arch::Gemma2 | Arch::Gemma3 => Graph::Gemma(gemma::Gemma::load(ld, hp)?),
         })
     }
@@ -461,6 +539,7 @@ impl<D: Device> Graph<D> {
         match self {
             Graph::Llama(g) => g.forward(st),
             Graph::Gemma(g) => g.forward(st),
+            Graph::Phi3(g) => g.forward(st),
         }
     }
 }

@@ -1,0 +1,155 @@
+// Decode attention over an f16 K/V cache (flash-attention style: one pass, online softmax).
+//
+// Each query row t has its own cache: `rows[5t..5t+5]` = { K base, V base, positions base
+// (u32 per cell), cell count, min_pos | max_pos << 32 }. K and V are cell-major: cell c's
+// key for all KV heads is kv_stride halves at K + c * kv_stride. Query head h reads KV head
+// h / (n_head / n_head_kv). A cell is visible when min_pos <= pos <= max_pos.
+//
+// The cells of a row are split into n_split contiguous ranges (grid z); each block of 4
+// warps walks its range (warp w takes cells w, w + 4, ...) keeping a running max m, sum s
+// and unnormalized output. With one split the block writes the output; otherwise it writes
+// (acc[hd], m, s) to `part` and attn_combine merges the splits.
+
+#define ATTN_WARPS 4
+
+template <int E>
+__device__ __forceinline__ void attn_split(const float *__restrict__ q, const u64 *__restrict__ rows,
+                                           float *__restrict__ part, float *__restrict__ out,
+                                           int n_head, int n_head_kv, int hd, int kv_stride,
+                                           float scale, float softcap, int n_split) {
+    __shared__ float sm_m[ATTN_WARPS], sm_s[ATTN_WARPS];
+    __shared__ float sm_acc[ATTN_WARPS][E * 32];
+    const int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u64 *r = rows + 5 * (size_t)t;
+    const u16 *K = (const u16 *)r[0];
+    const u16 *V = (const u16 *)r[1];
+    const u32 *P = (const u32 *)r[2];
+    const int nc = (int)r[3];
+    const u32 min_pos = (u32)(r[4] & 0xffffffffull), max_pos = (u32)(r[4] >> 32);
+    const int kvh = h / (n_head / n_head_kv);
+    const int chunk = (nc + n_split - 1) / n_split;
+    const int c0 = sp * chunk;
+    const int c1 = min(nc, c0 + chunk);
+
+    // the query rounded to f16, as the CPU's f16 K.Q product takes it
+    float qr[E];
+    const float *qh = q + ((size_t)t * n_head + h) * hd;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int i = lane + 32 * e;
+        qr[e] = i < hd ? h2f(f2h(qh[i])) : 0.0f;
+    }
+    float m = NEG_INF, s = 0.0f, acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.0f;
+
+    for (int c = c0 + warp; c < c1; c += ATTN_WARPS) {
+        const u32 p = P[c];
+        if (p > max_pos || p < min_pos) continue;
+        const u16 *kr = K + (size_t)c * kv_stride + (size_t)kvh * hd;
+        const u16 *vr = V + (size_t)c * kv_stride + (size_t)kvh * hd;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int i = lane + 32 * e;
+            if (i < hd) dot += qr[e] * h2f(kr[i]);
+        }
+        dot = warp_sum(dot);
+        float sc = dot * scale;
+        if (softcap != 0.0f) sc = softcap * tanhf(sc / softcap);
+        const float mn = fmaxf(m, sc);
+        const float corr = expf(m - mn);
+        const float pw = expf(sc - mn);
+        s = s * corr + pw;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int i = lane + 32 * e;
+            const float vv = i < hd ? h2f(vr[i]) : 0.0f;
+            acc[e] = acc[e] * corr + pw * vv;
+        }
+        m = mn;
+    }
+
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_s[warp] = s;
+    }
+#pragma unroll
+    for (int e = 0; e < E; e++) sm_acc[warp][lane + 32 * e] = acc[e];
+    __syncthreads();
+
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < ATTN_WARPS; w++)
+        if (sm_s[w] > 0.0f) M = fmaxf(M, sm_m[w]);
+    float S = 0.0f;
+    float wt[ATTN_WARPS];
+#pragma unroll
+    for (int w = 0; w < ATTN_WARPS; w++) {
+        wt[w] = sm_s[w] > 0.0f ? expf(sm_m[w] - M) : 0.0f;
+        S += sm_s[w] * wt[w];
+    }
+    const size_t o = ((size_t)t * n_head + h) * hd;
+    if (n_split == 1) {
+        const float inv = S > 0.0f ? 1.0f / S : 0.0f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            float a = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; w++) a += sm_acc[w][i] * wt[w];
+            out[o + i] = a * inv;
+        }
+    } else {
+        float *pp = part + (((size_t)t * n_head + h) * n_split + sp) * (hd + 2);
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            float a = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; w++) a += sm_acc[w][i] * wt[w];
+            pp[i] = a;
+        }
+        if (threadIdx.x == 0) {
+            pp[hd] = M;
+            pp[hd + 1] = S;
+        }
+    }
+}
+
+#define ATTN_KERNEL(E)                                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                            \
+        attn_split_##E(const float *q, const u64 *rows, float *part, float *out, int n_head, \
+                       int n_head_kv, int hd, int kv_stride, float scale, float softcap,     \
+                       int n_split) {                                                        \
+        attn_split<E>(q, rows, part, out, n_head, n_head_kv, hd, kv_stride, scale, softcap,  \
+                      n_split);                                                              \
+    }
+
+ATTN_KERNEL(2)
+ATTN_KERNEL(4)
+ATTN_KERNEL(8)
+
+// Merges the n_split partial results of each (row, head): grid (n_head, n_rows).
+extern "C" __global__ void attn_combine(const float *__restrict__ part, float *__restrict__ out,
+                                        int n_head, int hd, int n_split) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const float *pp = part + ((size_t)t * n_head + h) * n_split * (hd + 2);
+    float M = NEG_INF;
+    for (int j = 0; j < n_split; j++) {
+        const float *pj = pp + (size_t)j * (hd + 2);
+        if (pj[hd + 1] > 0.0f) M = fmaxf(M, pj[hd]);
+    }
+    float S = 0.0f;
+    for (int j = 0; j < n_split; j++) {
+        const float *pj = pp + (size_t)j * (hd + 2);
+        if (pj[hd + 1] > 0.0f) S += pj[hd + 1] * expf(pj[hd] - M);
+    }
+    const float inv = S > 0.0f ? 1.0f / S : 0.0f;
+    const size_t o = ((size_t)t * n_head + h) * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.0f;
+        for (int j = 0; j < n_split; j++) {
+            const float *pj = pp + (size_t)j * (hd + 2);
+            if (pj[hd + 1] > 0.0f) a += pj[i] * expf(pj[hd] - M);
+        }
+        out[o + i] = a * inv;
+    }
+}

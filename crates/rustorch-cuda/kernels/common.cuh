@@ -1,0 +1,64 @@
+// Shared helpers for every kernel file. NVRTC compiles the files as one translation unit
+// (common.cuh first), with no system headers: fixed-width types, f16 conversions and dp4a are
+// defined here.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even, like the host's f32_to_f16.
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Sum of the four signed byte products of a and b, plus c.
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ u16 ld_u16(const u8 *p) { return *(const u16 *)p; }
+
+// 32-bit little-endian loads from addresses aligned to 2 or 4 bytes.
+__device__ __forceinline__ int ld_i32_a2(const u8 *p) {
+    const u16 *q = (const u16 *)p;
+    return (int)((u32)q[0] | ((u32)q[1] << 16));
+}
+__device__ __forceinline__ int ld_i32_a4(const u8 *p) { return *(const int *)p; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ int warp_sum_i(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+#define NEG_INF __int_as_float(0xff800000)

@@ -1,0 +1,131 @@
+// Element-wise and row-wise transformer ops on f32 activations, computed like the CPU
+// kernels of rustorch-core (kernels/ops.rs): same rounding points where that is cheap.
+
+// x = rms_norm(x) * w per row of n values (out may equal x). Sum of squares in f64 as the
+// CPU does; one block per row.
+extern "C" __global__ void rms_norm(const float *x, const float *__restrict__ w, float *out,
+                                    int n, float eps) {
+    __shared__ double sm[32];
+    const size_t base = (size_t)blockIdx.x * n;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[base + i];
+        s += (double)__fmul_rn(v, v);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) sm[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < (int)(blockDim.x >> 5) ? sm[lane] : 0.0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+        if (lane == 0) sm[0] = s;
+    }
+    __syncthreads();
+    const float mean = (float)(sm[0] / (double)n);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        out[base + i] = __fmul_rn(__fmul_rn(x[base + i], scale), w[i]);
+}
+
+// cos/sin of the RoPE angle of pair i for each row's position: theta = pos * theta_scale^i
+// by repeated f32 multiplication (as the CPU does), divided by the pair's frequency factor,
+// times freq_scale.
+extern "C" __global__ void rope_angles(const u32 *__restrict__ pos, const float *__restrict__ ff,
+                                       float *__restrict__ cs, float *__restrict__ sn, int n_rows,
+                                       int half, float theta_scale, float freq_scale) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * half) return;
+    const int r = idx / half, i = idx % half;
+    float theta = (float)pos[r];
+    for (int k = 0; k < i; k++) theta = __fmul_rn(theta, theta_scale);
+    const float f = ff != 0 ? ff[i] : 1.0f;
+    const float t = __fmul_rn(freq_scale, __fdiv_rn(theta, f));
+    cs[idx] = cosf(t);
+    sn[idx] = sinf(t);
+}
+
+// Rotates the first n_rot values of every head (head_dim values) of every row (width
+// values) by the row's angles. neox: pairs (i, i + n_rot/2); otherwise (2i, 2i + 1).
+extern "C" __global__ void rope(float *x, const float *__restrict__ cs, const float *__restrict__ sn,
+                                int n_rows, int width, int head_dim, int n_rot, int neox) {
+    const int half = n_rot / 2;
+    const int heads = width / head_dim;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n_rows * heads * half) return;
+    const int i = (int)(idx % half);
+    const long long rh = idx / half;
+    const int r = (int)(rh / heads), h = (int)(rh % heads);
+    float *hp = x + (size_t)r * width + (size_t)h * head_dim;
+    const float c = cs[(size_t)r * half + i], s = sn[(size_t)r * half + i];
+    const int i0 = neox ? i : 2 * i;
+    const int i1 = neox ? i + half : 2 * i + 1;
+    const float x0 = hp[i0], x1 = hp[i1];
+    hp[i0] = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+    hp[i1] = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+}
+
+extern "C" __global__ void add_f32(float *x, const float *__restrict__ y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + y[i];
+}
+
+// x[i] += b[i % len]
+extern "C" __global__ void add_bias(float *x, const float *__restrict__ b, long long n, int len) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + b[i % len];
+}
+
+extern "C" __global__ void scale_f32(float *x, float s, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fmul_rn(x[i], s);
+}
+
+// x = tanh(x / cap) * cap
+extern "C" __global__ void softcap_f32(float *x, float cap, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fmul_rn(tanhf(__fmul_rn(x[i], 1.0f / cap)), cap);
+}
+
+// gate = silu(gate) * up
+extern "C" __global__ void swiglu(float *gate, const float *__restrict__ up, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float g = gate[i];
+        gate[i] = __fmul_rn(__fdiv_rn(g, 1.0f + expf(-g)), up[i]);
+    }
+}
+
+// gate = gelu(gate) * up, ggml's tanh approximation
+extern "C" __global__ void geglu(float *gate, const float *__restrict__ up, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float x = gate[i];
+        const float inner = __fmaf_rn(__fmul_rn(0.044715f, x), x, 1.0f);
+        const float g = __fmul_rn(1.0f + tanhf(__fmul_rn(__fmul_rn(0.7978846f, x), inner)),
+                                  __fmul_rn(0.5f, x));
+        gate[i] = __fmul_rn(g, up[i]);
+    }
+}
+
+// Keeps rows `rows[k]` of x (rows of width values) as rows k of out.
+extern "C" __global__ void gather_rows(const float *__restrict__ x, const u32 *__restrict__ rows,
+                                       float *__restrict__ out, int width, int n_out) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n_out * width) return;
+    const int k = (int)(idx / width), i = (int)(idx % width);
+    out[idx] = x[(size_t)rows[k] * width + i];
+}
+
+// Writes row r of k and v (kv_dim values) as f16 at the cache rows dst_k[r], dst_v[r].
+extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__restrict__ v,
+                                    const u64 *__restrict__ dst_k, const u64 *__restrict__ dst_v,
+                                    int n_rows, int kv_dim) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n_rows * kv_dim) return;
+    const int r = (int)(idx / kv_dim), i = (int)(idx % kv_dim);
+    ((u16 *)dst_k[r])[i] = f2h(k[idx]);
+    ((u16 *)dst_v[r])[i] = f2h(v[idx]);
+}

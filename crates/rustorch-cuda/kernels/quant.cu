@@ -1,0 +1,522 @@
+// Weights in their GGUF block layouts: matrix-vector products against activations quantized
+// to 8-bit blocks of 32 (MMVQ), dequantized rows (embedding look-ups), and the activation
+// quantizer.
+//
+// Every format is read 32 weights at a time (a "group": one activation block). A group
+// decodes to 32 small integers (8 ints of 4 signed bytes, in activation order) and, for
+// each half of 16 weights, a scale `d`, an integer zero point `z` and a float offset `m`:
+//
+//     weight[i] = d[i/16] * (v[i] + z[i/16]) + m[i/16]
+//
+// so the product with activation block (a, ad) is exact integer dot products (dp4a) scaled
+// once per half: ad * (d0*(S0 + z0*A0) + d1*(S1 + z1*A1) + m0*A0 + m1*A1), where S is
+// sum(v*a) and A is sum(a) over the half.
+
+struct Group {
+    int v[8];
+    float d0, d1;
+    int z0, z1;
+    float m0, m1;
+};
+
+__device__ __forceinline__ void set_scales(Group &o, float d, int z, float m) {
+    o.d0 = d; o.d1 = d; o.z0 = z; o.z1 = z; o.m0 = m; o.m1 = m;
+}
+
+// The 16 IQ4_NL grid values as signed bytes, four per int.
+#define IQ4_T0 0xBFAD9881u  // -127, -104, -83, -65
+#define IQ4_T1 0xF6EADDCFu  //  -49,  -35, -22, -10
+#define IQ4_T2 0x26190D01u  //    1,   13,  25,  38
+#define IQ4_T3 0x71594535u  //   53,   69,  89, 113
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// Four 4-bit codes (the low nibble of each byte of x) looked up in the IQ4_NL grid.
+__device__ __forceinline__ int iq4_lookup(u32 x) {
+    u32 sel = (x & 7) | ((x >> 4) & 0x70) | ((x >> 8) & 0x700) | ((x >> 12) & 0x7000);
+    u32 lo = prmt(IQ4_T0, IQ4_T1, sel);
+    u32 hi = prmt(IQ4_T2, IQ4_T3, sel);
+    u32 mask = ((x >> 3) & 0x01010101u) * 0xFFu;
+    return (int)((lo & ~mask) | (hi & mask));
+}
+
+// ---------------------------------------------------------------------------------------
+// Formats. QK: weights per block; BYTES: bytes per block; decode(block, g, out) reads
+// group g (0 .. QK/32) of a block.
+
+struct FQ4_0 {
+    enum { QK = 32, BYTES = 18 };
+    static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
+        float d = h2f(ld_u16(b));
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int w = ld_i32_a2(b + 2 + 4 * k);
+            o.v[k] = w & 0x0F0F0F0F;
+            o.v[k + 4] = (w >> 4) & 0x0F0F0F0F;
+        }
+        set_scales(o, d, -8, 0.0f);
+    }
+};
+
+struct FQ4_1 {
+    enum { QK = 32, BYTES = 20 };
+    static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
+        float d = h2f(ld_u16(b));
+        float m = h2f(ld_u16(b + 2));
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int w = ld_i32_a4(b + 4 + 4 * k);
+            o.v[k] = w & 0x0F0F0F0F;
+            o.v[k + 4] = (w >> 4) & 0x0F0F0F0F;
+        }
+        set_scales(o, d, 0, m);
+    }
+};
+
+// The fifth bits of weights 4k..4k+3 (bits 4k.. of qh) moved to bit 4 of each byte.
+__device__ __forceinline__ int spread_bits4(u32 qh, int first) {
+    u32 r = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) r |= ((qh >> (first + i)) & 1u) << (8 * i + 4);
+    return (int)r;
+}
+
+struct FQ5_0 {
+    enum { QK = 32, BYTES = 22 };
+    static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
+        float d = h2f(ld_u16(b));
+        u32 qh = (u32)ld_i32_a2(b + 2);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int w = ld_i32_a2(b + 6 + 4 * k);
+            o.v[k] = (w & 0x0F0F0F0F) | spread_bits4(qh, 4 * k);
+            o.v[k + 4] = ((w >> 4) & 0x0F0F0F0F) | spread_bits4(qh, 16 + 4 * k);
+        }
+        set_scales(o, d, -16, 0.0f);
+    }
+};
+
+struct FQ5_1 {
+    enum { QK = 32, BYTES = 24 };
+    static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
+        float d = h2f(ld_u16(b));
+        float m = h2f(ld_u16(b + 2));
+        u32 qh = (u32)ld_i32_a4(b + 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int w = ld_i32_a4(b + 8 + 4 * k);
+            o.v[k] = (w & 0x0F0F0F0F) | spread_bits4(qh, 4 * k);
+            o.v[k + 4] = ((w >> 4) & 0x0F0F0F0F) | spread_bits4(qh, 16 + 4 * k);
+        }
+        set_scales(o, d, 0, m);
+    }
+};
+
+struct FQ8_0 {
+    enum { QK = 32, BYTES = 34 };
+    static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
+        float d = h2f(ld_u16(b));
+#pragma unroll
+        for (int k = 0; k < 8; k++) o.v[k] = ld_i32_a2(b + 2 + 4 * k);
+        set_scales(o, d, 0, 0.0f);
+    }
+};
+
+struct FIQ4_NL {
+    enum { QK = 32, BYTES = 18 };
+    static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
+        float d = h2f(ld_u16(b));
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 w = (u32)ld_i32_a2(b + 2 + 4 * k);
+            o.v[k] = iq4_lookup(w & 0x0F0F0F0Fu);
+            o.v[k + 4] = iq4_lookup((w >> 4) & 0x0F0F0F0Fu);
+        }
+        set_scales(o, d, 0, 0.0f);
+    }
+};
+
+struct FIQ4_XS {
+    enum { QK = 256, BYTES = 136 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b));
+        u32 sh = ld_u16(b + 2);
+        int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4);
+        const u8 *q = b + 8 + 16 * g;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 w = (u32)ld_i32_a4(q + 4 * k);
+            o.v[k] = iq4_lookup(w & 0x0F0F0F0Fu);
+            o.v[k + 4] = iq4_lookup((w >> 4) & 0x0F0F0F0Fu);
+        }
+        set_scales(o, __fmul_rn(d, (float)(ls - 32)), 0, 0.0f);
+    }
+};
+
+struct FQ2_K {
+    enum { QK = 256, BYTES = 84 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b + 80));
+        float dmin = h2f(ld_u16(b + 82));
+        int half = g >> 2, shift = 2 * (g & 3);
+        const u8 *q = b + 16 + 32 * half;
+#pragma unroll
+        for (int k = 0; k < 8; k++) o.v[k] = (ld_i32_a4(q + 4 * k) >> shift) & 0x03030303;
+        int sc0 = b[half * 8 + 2 * (g & 3)], sc1 = b[half * 8 + 2 * (g & 3) + 1];
+        o.d0 = __fmul_rn(d, (float)(sc0 & 15));
+        o.d1 = __fmul_rn(d, (float)(sc1 & 15));
+        o.z0 = 0; o.z1 = 0;
+        o.m0 = -__fmul_rn(dmin, (float)(sc0 >> 4));
+        o.m1 = -__fmul_rn(dmin, (float)(sc1 >> 4));
+    }
+};
+
+__device__ __forceinline__ int scale_q3k(const u8 *s, int j) {
+    int low = j < 8 ? (s[j] & 15) : (s[j - 8] >> 4);
+    return low | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+}
+
+struct FQ3_K {
+    enum { QK = 256, BYTES = 110 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b + 108));
+        int half = g >> 2, shift = 2 * (g & 3);
+        const u8 *q = b + 32 + 32 * half;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int lo = (ld_i32_a2(q + 4 * k) >> shift) & 0x03030303;
+            int hi = (((u32)ld_i32_a2(b + 4 * k)) >> g) & 0x01010101u;
+            o.v[k] = lo | (hi << 2);
+        }
+        o.d0 = __fmul_rn(d, (float)(scale_q3k(b + 96, 2 * g) - 32));
+        o.d1 = __fmul_rn(d, (float)(scale_q3k(b + 96, 2 * g + 1) - 32));
+        o.z0 = -4; o.z1 = -4;
+        o.m0 = 0.0f; o.m1 = 0.0f;
+    }
+};
+
+// The 6-bit scale and min of sub-block j of Q4_K / Q5_K.
+__device__ __forceinline__ void scale_min_k4(const u8 *q, int j, int &sc, int &m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+struct FQ4_K {
+    enum { QK = 256, BYTES = 144 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b));
+        float dmin = h2f(ld_u16(b + 2));
+        const u8 *q = b + 16 + 32 * (g >> 1);
+        int shift = 4 * (g & 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) o.v[k] = (ld_i32_a4(q + 4 * k) >> shift) & 0x0F0F0F0F;
+        int sc, m;
+        scale_min_k4(b + 4, g, sc, m);
+        set_scales(o, __fmul_rn(d, (float)sc), 0, -__fmul_rn(dmin, (float)m));
+    }
+};
+
+struct FQ5_K {
+    enum { QK = 256, BYTES = 176 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b));
+        float dmin = h2f(ld_u16(b + 2));
+        const u8 *q = b + 48 + 32 * (g >> 1);
+        int shift = 4 * (g & 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int lo = (ld_i32_a4(q + 4 * k) >> shift) & 0x0F0F0F0F;
+            int hi = (((u32)ld_i32_a4(b + 16 + 4 * k)) >> g) & 0x01010101u;
+            o.v[k] = lo | (hi << 4);
+        }
+        int sc, m;
+        scale_min_k4(b + 4, g, sc, m);
+        set_scales(o, __fmul_rn(d, (float)sc), 0, -__fmul_rn(dmin, (float)m));
+    }
+};
+
+struct FQ6_K {
+    enum { QK = 256, BYTES = 210 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b + 208));
+        int h = g >> 2, j = g & 3;
+        const u8 *ql = b + 64 * h + 32 * (j & 1);
+        const u8 *qh = b + 128 + 32 * h;
+        int sl = 4 * (j >> 1), shh = 2 * j;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int lo = (ld_i32_a2(ql + 4 * k) >> sl) & 0x0F0F0F0F;
+            int hi = (((u32)ld_i32_a2(qh + 4 * k)) >> shh) & 0x03030303u;
+            o.v[k] = lo | (hi << 4);
+        }
+        const i8 *sc = (const i8 *)(b + 192 + 8 * h + 2 * j);
+        o.d0 = __fmul_rn(d, (float)sc[0]);
+        o.d1 = __fmul_rn(d, (float)sc[1]);
+        o.z0 = -32; o.z1 = -32;
+        o.m0 = 0.0f; o.m1 = 0.0f;
+    }
+};
+
+// ---------------------------------------------------------------------------------------
+// Activations: per token, n_cols int8 codes (aq) and per block of 32 (d, sum of codes) (ads),
+// with d = max|x| / 127 and code = round(x / d), the host's Q8 rule with d kept in f32.
+
+extern "C" __global__ void quantize_q8_1(const float *__restrict__ x, i8 *__restrict__ aq,
+                                         float2 *__restrict__ ads, int n_cols) {
+    const int ng = n_cols >> 5;
+    const int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.y;
+    if (g >= ng) return;
+    const size_t i = (size_t)t * n_cols + g * 32 + lane;
+    float v = x[i];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int q = (int)roundf(__fmul_rn(v, id));
+    aq[i] = (i8)q;
+    int sum = warp_sum_i(q);
+    if (lane == 0) {
+        float2 r;
+        r.x = d;
+        r.y = (float)sum;
+        ads[(size_t)t * ng + g] = r;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// out[t][row] = sum over groups of W[row] . act[t], for n_tok <= NT tokens at once. Each row
+// is served by `tpr` threads (32, 64 or 128) of a 128-thread block.
+
+#define MMV_THREADS 128
+
+template <class F>
+__device__ __forceinline__ float group_dot(const Group &w, const int4 *a, float ad) {
+    int4 a0 = a[0], a1 = a[1];
+    int s0 = dp4a(w.v[0], a0.x, 0);
+    s0 = dp4a(w.v[1], a0.y, s0);
+    s0 = dp4a(w.v[2], a0.z, s0);
+    s0 = dp4a(w.v[3], a0.w, s0);
+    int s1 = dp4a(w.v[4], a1.x, 0);
+    s1 = dp4a(w.v[5], a1.y, s1);
+    s1 = dp4a(w.v[6], a1.z, s1);
+    s1 = dp4a(w.v[7], a1.w, s1);
+    const int ones = 0x01010101;
+    int u0 = dp4a(ones, a0.x, 0);
+    u0 = dp4a(ones, a0.y, u0);
+    u0 = dp4a(ones, a0.z, u0);
+    u0 = dp4a(ones, a0.w, u0);
+    int u1 = dp4a(ones, a1.x, 0);
+    u1 = dp4a(ones, a1.y, u1);
+    u1 = dp4a(ones, a1.z, u1);
+    u1 = dp4a(ones, a1.w, u1);
+    float r = w.d0 * (float)(s0 + w.z0 * u0) + w.d1 * (float)(s1 + w.z1 * u1) +
+              w.m0 * (float)u0 + w.m1 * (float)u1;
+    return ad * r;
+}
+
+// Sums acc[t] over the `tpr` threads of each row and writes the row's outputs.
+template <int NT>
+__device__ __forceinline__ void row_reduce_store(float (&acc)[NT], float *out, int row, int n_rows,
+                                                 int n_tok, int tpr) {
+    __shared__ float sm[NT][MMV_THREADS / 32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+    if (tpr <= 32) {
+        if (lane == 0 && row < n_rows) {
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (t < n_tok) out[(size_t)t * n_rows + row] = acc[t];
+        }
+        return;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) sm[t][warp] = acc[t];
+    }
+    __syncthreads();
+    const int wpr = tpr >> 5;
+    if ((threadIdx.x % tpr) == 0 && row < n_rows) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n_tok) {
+                float s = 0.0f;
+                for (int w = 0; w < wpr; w++) s += sm[t][warp + w];
+                out[(size_t)t * n_rows + row] = s;
+            }
+        }
+    }
+}
+
+template <class F, int NT>
+__device__ __forceinline__ void mmvq(const u8 *__restrict__ W, const i8 *__restrict__ aq,
+                                     const float2 *__restrict__ ads, float *__restrict__ out,
+                                     int n_rows, int n_cols, int n_tok, int tpr) {
+    const int row = blockIdx.x * (MMV_THREADS / tpr) + threadIdx.x / tpr;
+    const int lane = threadIdx.x % tpr;
+    const int ng = n_cols >> 5;
+    const int gpb = F::QK / 32;
+    const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    if (row < n_rows) {
+        const u8 *wr = W + (size_t)row * row_bytes;
+        for (int gi = lane; gi < ng; gi += tpr) {
+            Group w;
+            F::decode(wr + (size_t)(gi / gpb) * F::BYTES, gi % gpb, w);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < n_tok) {
+                    const int4 *a = (const int4 *)(aq + (size_t)t * n_cols) + 2 * gi;
+                    acc[t] += group_dot<F>(w, a, ads[(size_t)t * ng + gi].x);
+                }
+            }
+        }
+    }
+    row_reduce_store<NT>(acc, out, row, n_rows, n_tok, tpr);
+}
+
+// Float weights (F32, F16, BF16) against f32 activations.
+template <int TY>
+__device__ __forceinline__ float ld_w(const u8 *W, size_t i) {
+    if (TY == 0) return ((const float *)W)[i];
+    if (TY == 1) return h2f(((const u16 *)W)[i]);
+    return bf2f(((const u16 *)W)[i]);
+}
+
+template <int TY, int NT>
+__device__ __forceinline__ void mmv_float(const u8 *__restrict__ W, const float *__restrict__ x,
+                                          float *__restrict__ out, int n_rows, int n_cols,
+                                          int n_tok, int tpr) {
+    const int row = blockIdx.x * (MMV_THREADS / tpr) + threadIdx.x / tpr;
+    const int lane = threadIdx.x % tpr;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    if (row < n_rows) {
+        const size_t base = (size_t)row * n_cols;
+        for (int i = lane; i < n_cols; i += tpr) {
+            float w = ld_w<TY>(W, base + i);
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (t < n_tok) acc[t] += w * x[(size_t)t * n_cols + i];
+        }
+    }
+    row_reduce_store<NT>(acc, out, row, n_rows, n_tok, tpr);
+}
+
+#define MMVQ_KERNEL(NAME, F, NT)                                                              \
+    extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
+        mmvq_##NAME##_##NT(const u8 *W, const i8 *aq, const float2 *ads, float *out,         \
+                           int n_rows, int n_cols, int n_tok, int tpr) {                     \
+        mmvq<F, NT>(W, aq, ads, out, n_rows, n_cols, n_tok, tpr);                            \
+    }
+
+#define MMVQ_ALL(NAME, F)                                                                     \
+    MMVQ_KERNEL(NAME, F, 1)                                                                  \
+    MMVQ_KERNEL(NAME, F, 2)                                                                  \
+    MMVQ_KERNEL(NAME, F, 4)                                                                  \
+    MMVQ_KERNEL(NAME, F, 8)
+
+MMVQ_ALL(q4_0, FQ4_0)
+MMVQ_ALL(q4_1, FQ4_1)
+MMVQ_ALL(q5_0, FQ5_0)
+MMVQ_ALL(q5_1, FQ5_1)
+MMVQ_ALL(q8_0, FQ8_0)
+MMVQ_ALL(q2_k, FQ2_K)
+MMVQ_ALL(q3_k, FQ3_K)
+MMVQ_ALL(q4_k, FQ4_K)
+MMVQ_ALL(q5_k, FQ5_K)
+MMVQ_ALL(q6_k, FQ6_K)
+MMVQ_ALL(iq4_nl, FIQ4_NL)
+MMVQ_ALL(iq4_xs, FIQ4_XS)
+
+#define MMVF_KERNEL(NAME, TY, NT)                                                             \
+    extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
+        mmv_##NAME##_##NT(const u8 *W, const float *x, float *out, int n_rows, int n_cols,   \
+                          int n_tok, int tpr) {                                              \
+        mmv_float<TY, NT>(W, x, out, n_rows, n_cols, n_tok, tpr);                            \
+    }
+
+#define MMVF_ALL(NAME, TY)                                                                    \
+    MMVF_KERNEL(NAME, TY, 1)                                                                 \
+    MMVF_KERNEL(NAME, TY, 2)                                                                 \
+    MMVF_KERNEL(NAME, TY, 4)                                                                 \
+    MMVF_KERNEL(NAME, TY, 8)
+
+MMVF_ALL(f32, 0)
+MMVF_ALL(f16, 1)
+MMVF_ALL(bf16, 2)
+
+// ---------------------------------------------------------------------------------------
+// Embedding rows: out[t] = dequantize(W[ids[t]]), the host dequantizers' values exactly
+// (same products and sums, no fused multiply-add).
+
+template <class F>
+__device__ __forceinline__ void get_rows_q(const u8 *__restrict__ W, const u32 *__restrict__ ids,
+                                           float *__restrict__ out, int n_cols) {
+    const int ng = n_cols >> 5;
+    const int gi = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = blockIdx.y;
+    if (gi >= ng) return;
+    const int gpb = F::QK / 32;
+    const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
+    const u8 *wr = W + (size_t)ids[t] * row_bytes;
+    Group w;
+    F::decode(wr + (size_t)(gi / gpb) * F::BYTES, gi % gpb, w);
+    float *o = out + (size_t)t * n_cols + gi * 32;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float d = k < 4 ? w.d0 : w.d1;
+        int z = k < 4 ? w.z0 : w.z1;
+        float m = k < 4 ? w.m0 : w.m1;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            int q = (int)(i8)((w.v[k] >> (8 * b)) & 0xFF) + z;
+            o[4 * k + b] = __fadd_rn(__fmul_rn(d, (float)q), m);
+        }
+    }
+}
+
+#define GET_ROWS_KERNEL(NAME, F)                                                              \
+    extern "C" __global__ void get_rows_##NAME(const u8 *W, const u32 *ids, float *out,      \
+                                               int n_cols) {                                 \
+        get_rows_q<F>(W, ids, out, n_cols);                                                  \
+    }
+
+GET_ROWS_KERNEL(q4_0, FQ4_0)
+GET_ROWS_KERNEL(q4_1, FQ4_1)
+GET_ROWS_KERNEL(q5_0, FQ5_0)
+GET_ROWS_KERNEL(q5_1, FQ5_1)
+GET_ROWS_KERNEL(q8_0, FQ8_0)
+GET_ROWS_KERNEL(q2_k, FQ2_K)
+GET_ROWS_KERNEL(q3_k, FQ3_K)
+GET_ROWS_KERNEL(q4_k, FQ4_K)
+GET_ROWS_KERNEL(q5_k, FQ5_K)
+GET_ROWS_KERNEL(q6_k, FQ6_K)
+GET_ROWS_KERNEL(iq4_nl, FIQ4_NL)
+GET_ROWS_KERNEL(iq4_xs, FIQ4_XS)
+
+#define GET_ROWS_FLOAT(NAME, TY)                                                              \
+    extern "C" __global__ void get_rows_##NAME(const u8 *W, const u32 *ids, float *out,      \
+                                               int n_cols) {                                 \
+        const int i = blockIdx.x * blockDim.x + threadIdx.x;                                 \
+        const int t = blockIdx.y;                                                            \
+        if (i >= n_cols) return;                                                             \
+        out[(size_t)t * n_cols + i] = ld_w<TY>(W, (size_t)ids[t] * n_cols + i);              \
+    }
+
+GET_ROWS_FLOAT(f32, 0)
+GET_ROWS_FLOAT(f16, 1)
+GET_ROWS_FLOAT(bf16, 2)

@@ -1,0 +1,458 @@
+//! Opening a GPU: probe the libraries, create the context and stream, and load the kernels
+//! (from the on-disk cache, or compiled with NVRTC on first use).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::{CudaError, Result};
+use crate::nvrtc::{self, Image, Nvrtc};
+
+/// The kernel sources, compiled together as one program (common.cuh first).
+pub const KERNEL_SOURCES: [(&str, &str); 4] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("quant.cu", include_str!("../kernels/quant.cu")),
+    ("ops.cu", include_str!("../kernels/ops.cu")),
+    ("attn.cu", include_str!("../kernels/attn.cu")),
+];
+
+/// NVRTC options (part of the cache key).
+pub(crate) const NVRTC_OPTS: [&str; 2] = ["--std=c++17", "--device-as-default-execution-space"];
+
+/// The kernels' source as compiled.
+pub fn kernel_source() -> String {
+    let mut s = String::new();
+    for (name, src) in KERNEL_SOURCES {
+        s.push_str(&format!("// ---- {name}\n"));
+        s.push_str(src);
+        s.push('\n');
+    }
+    s
+}
+
+/// How the kernels reached the GPU at open.
+#[derive(Debug, Clone)]
+pub struct ModuleInfo {
+    /// Loaded from the cache (no compilation).
+    pub cached: bool,
+    /// Seconds spent compiling (0 when cached) and loading.
+    pub compile_s: f64,
+    pub load_s: f64,
+    /// "sm_90" (cubin) or "compute_90" (PTX, finished by the driver).
+    pub target: String,
+    /// The cache file, when the cache is usable.
+    pub cache_file: Option<std::path::PathBuf>,
+    /// Where NVRTC was found (empty when it was not needed).
+    pub nvrtc: String,
+}
+
+/// What the device is.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub index: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_mem: usize,
+    pub multiprocessors: usize,
+    /// e.g. 13000 for CUDA 13.0.
+    pub driver_version: i32,
+}
+
+/// One GPU with the kernels loaded: the context, the stream every op runs on, and the
+/// kernel functions by name.
+pub struct CudaDevice {
+    pub(crate) stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    _module: Arc<CudaModule>,
+    funcs: HashMap<String, CudaFunction>,
+    pub info: DeviceInfo,
+    pub module: ModuleInfo,
+}
+
+impl CudaDevice {
+    /// Opens GPU `index`. Fails (never panics) with an error naming what is missing: the
+    /// driver library, a device, the device index, or NVRTC (needed only when the kernels
+    /// are not cached yet).
+    pub fn open(index: usize) -> Result<Self> {
+        probe_driver()?;
+        // cudarc panics on a missing symbol; the probe above makes that unlikely, and a
+        // panic that still happens becomes an error here.
+        match std::panic::catch_unwind(|| Self::open_probed(index)) {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(CudaError::Driver(format!("CUDA library failure: {msg}")))
+            }
+        }
+    }
+
+    fn open_probed(index: usize) -> Result<Self> {
+        let count = device_count()?;
+        if index >= count {
+            return Err(CudaError::BadDeviceIndex { index, count });
+        }
+        let ctx = CudaContext::new(index)?;
+        // One stream orders every op; the kernels take raw pointers, so cudarc's per-buffer
+        // events are not needed.
+        // SAFETY: no other stream of this context uses our buffers.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let cc = ctx.compute_capability()?;
+        let mut driver_version = 0;
+        // SAFETY: valid out-pointer.
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) };
+        let info = DeviceInfo {
+            index,
+            name: ctx.name()?,
+            compute_capability: cc,
+            total_mem: ctx.total_mem()?,
+            multiprocessors: ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+                as usize,
+            driver_version,
+        };
+        let (module, minfo) = load_module(&ctx, cc, driver_version)?;
+        let mut funcs = HashMap::new();
+        for name in crate::kernels::kernel_names() {
+            let f = module.load_function(&name).map_err(|e| {
+                CudaError::Driver(format!("kernel {name} missing from the module: {e}"))
+            })?;
+            funcs.insert(name, f);
+        }
+        Ok(CudaDevice {
+            stream,
+            ctx,
+            _module: module,
+            funcs,
+            info,
+            module: minfo,
+        })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| CudaError::Unsupported(format!("no kernel named {name}")))
+    }
+
+    /// Waits for every queued op.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Launches kernel `name` with `args` (pointers to each argument's value).
+    pub(crate) fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[&dyn KernelArg],
+    ) -> Result<()> {
+        let f = self.func(name)?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args.iter() {
+            a.push(&mut b);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: each kernel's argument list is built by the wrapper in `kernels.rs` that
+        // matches its C signature; pointers are to live device buffers sized by the caller.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// A device buffer of `n` values (at least one element is allocated), contents unset.
+    pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<GpuVec<T>> {
+        // SAFETY: the memory is written before it is read by every user of GpuVec.
+        let buf = unsafe { self.stream.alloc::<T>(n.max(1)) }?;
+        let ptr = raw_ptr(&buf, &self.stream);
+        Ok(GpuVec {
+            buf: Some(buf),
+            ptr,
+            len: n,
+        })
+    }
+
+    /// A device copy of `v`.
+    pub fn upload<T: DeviceRepr>(&self, v: &[T]) -> Result<GpuVec<T>> {
+        let mut g = self.alloc::<T>(v.len())?;
+        g.write(self, v)?;
+        Ok(g)
+    }
+}
+
+fn probe_driver() -> Result<()> {
+    crate::probe::driver_library()?;
+    match std::panic::catch_unwind(cudarc::driver::result::init) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Err(CudaError::NoDevice),
+        Ok(Err(e)) => Err(CudaError::DriverInit(e.to_string())),
+        Err(_) => Err(CudaError::DriverInit(
+            "the driver library could not be used".into(),
+        )),
+    }
+}
+
+/// Number of CUDA devices; errors name a missing driver.
+pub fn device_count() -> Result<usize> {
+    probe_driver()?;
+    let n = std::panic::catch_unwind(cudarc::driver::result::device::get_count)
+        .map_err(|_| CudaError::DriverInit("the driver library could not be used".into()))??;
+    if n <= 0 {
+        return Err(CudaError::NoDevice);
+    }
+    Ok(n as usize)
+}
+
+fn raw_ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// Loads the kernels: from the cache file keyed by source, target and driver version, else
+/// compiled with NVRTC (cubin for the device's SM, or PTX when NVRTC predates the device)
+/// and written to the cache.
+fn load_module(
+    ctx: &Arc<CudaContext>,
+    cc: (i32, i32),
+    driver_version: i32,
+) -> Result<(Arc<CudaModule>, ModuleInfo)> {
+    let src = kernel_source();
+    let sm = cc.0 * 10 + cc.1;
+    let cubin_target = format!("sm_{sm}");
+    let key = |target: &str| {
+        nvrtc::fnv64(&[
+            src.as_bytes(),
+            target.as_bytes(),
+            &driver_version.to_le_bytes(),
+            NVRTC_OPTS.join(" ").as_bytes(),
+        ])
+    };
+    let dir = nvrtc::cache_dir();
+    let file_for = |target: &str| {
+        let ext = if target.starts_with("sm_") {
+            "cubin"
+        } else {
+            "ptx"
+        };
+        dir.as_ref()
+            .map(|d| d.join(format!("kernels-{target}-{:016x}.{ext}", key(target))))
+    };
+    // cached cubin or PTX
+    for target in [cubin_target.clone(), format!("compute_{sm}")] {
+        let Some(path) = file_for(&target) else {
+            continue;
+        };
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        let t0 = Instant::now();
+        let image = if target.starts_with("sm_") {
+            Image::Cubin(bytes)
+        } else {
+            Image::Ptx(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        if let Ok(m) = load_image(ctx, image) {
+            return Ok((
+                m,
+                ModuleInfo {
+                    cached: true,
+                    compile_s: 0.0,
+                    load_s: t0.elapsed().as_secs_f64(),
+                    target,
+                    cache_file: Some(path),
+                    nvrtc: String::new(),
+                },
+            ));
+        }
+        // unusable cache entry: rebuilt below
+    }
+    let nv = Nvrtc::load()?;
+    let archs = nv.supported_archs();
+    let target = if archs.is_empty() || archs.contains(&sm) {
+        cubin_target
+    } else {
+        // NVRTC does not know this GPU: PTX for the newest architecture it knows (not
+        // above the device's), which the driver compiles at load.
+        let best = archs
+            .iter()
+            .copied()
+            .filter(|&a| a <= sm)
+            .max()
+            .unwrap_or(sm);
+        format!("compute_{best}")
+    };
+    let t0 = Instant::now();
+    let image = nv.compile(&src, &target, &NVRTC_OPTS)?;
+    let compile_s = t0.elapsed().as_secs_f64();
+    let path = file_for(&target);
+    if let Some(p) = &path {
+        let bytes: &[u8] = match &image {
+            Image::Cubin(b) => b,
+            Image::Ptx(s) => s.as_bytes(),
+        };
+        write_cache(p, bytes);
+    }
+    let t1 = Instant::now();
+    let m = load_image(ctx, image)?;
+    Ok((
+        m,
+        ModuleInfo {
+            cached: false,
+            compile_s,
+            load_s: t1.elapsed().as_secs_f64(),
+            target,
+            cache_file: path,
+            nvrtc: nv.origin.clone(),
+        },
+    ))
+}
+
+fn load_image(ctx: &Arc<CudaContext>, image: Image) -> Result<Arc<CudaModule>> {
+    let ptx = match image {
+        Image::Cubin(b) => Ptx::from_binary(b),
+        Image::Ptx(s) => Ptx::from_src(s),
+    };
+    Ok(ctx.load_module(ptx)?)
+}
+
+/// Writes the cache file atomically (temporary file, then rename); failures only cost a
+/// recompilation next time.
+fn write_cache(path: &std::path::Path, bytes: &[u8]) {
+    let Some(dir) = path.parent() else {
+        return;
+    };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// A kernel argument: anything cudarc can pass by value.
+pub(crate) trait KernelArg {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+impl<T: DeviceRepr> KernelArg for T {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+/// A growable device array. `len` values are valid; growing reallocates (contents lost).
+pub struct GpuVec<T> {
+    buf: Option<CudaSlice<T>>,
+    ptr: u64,
+    len: usize,
+}
+
+impl<T> Default for GpuVec<T> {
+    fn default() -> Self {
+        GpuVec {
+            buf: None,
+            ptr: 0,
+            len: 0,
+        }
+    }
+}
+
+impl<T: DeviceRepr> GpuVec<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Allocated elements.
+    pub fn capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// Makes room for `n` values and sets the length to `n` (old contents are kept only
+    /// when no reallocation was needed).
+    pub fn resize(&mut self, dev: &CudaDevice, n: usize) -> Result<()> {
+        if self.capacity() < n {
+            // free first, so that a large buffer does not briefly exist twice
+            self.buf = None;
+            *self = dev.alloc(n)?;
+        }
+        self.len = n;
+        Ok(())
+    }
+
+    /// Copies `v` to the device (resizing to `v.len()`).
+    pub fn write(&mut self, dev: &CudaDevice, v: &[T]) -> Result<()> {
+        self.resize(dev, v.len())?;
+        if v.is_empty() {
+            return Ok(());
+        }
+        if let Some(b) = self.buf.as_mut() {
+            let mut view = b.slice_mut(0..v.len());
+            dev.stream.memcpy_htod(v, &mut view)?;
+        }
+        Ok(())
+    }
+
+    /// The values on the host (waits for the stream).
+    pub fn read(&self, dev: &CudaDevice) -> Result<Vec<T>>
+    where
+        T: Default + Clone,
+    {
+        let mut out = vec![T::default(); self.len];
+        if let Some(b) = self.buf.as_ref() {
+            if self.len > 0 {
+                dev.stream.memcpy_dtoh(&b.slice(0..self.len), &mut out)?;
+            }
+        }
+        dev.stream.synchronize()?;
+        Ok(out)
+    }
+
+    /// Sets every byte to zero.
+    pub fn zero(&mut self, dev: &CudaDevice) -> Result<()>
+    where
+        T: ValidAsZeroBits,
+    {
+        if let Some(b) = self.buf.as_mut() {
+            dev.stream.memset_zeros(b)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,635 @@
+//! Typed wrappers of the kernels in `kernels/*.cu`: each checks the sizes of its buffers and
+//! launches on the device's stream (nothing waits; [`GpuVec::read`] synchronizes).
+
+use rustorch_core::kernels::ops::{Rope, RopeMode};
+use rustorch_core::GgmlType;
+
+use crate::device::{CudaDevice, GpuVec, KernelArg};
+use crate::error::{CudaError, Result};
+
+/// Weight formats with a matrix-vector kernel, and the kernel-name stem of each.
+pub const FORMATS: [(GgmlType, &str); 15] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q4_0, "q4_0"),
+    (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q5_0, "q5_0"),
+    (GgmlType::Q5_1, "q5_1"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q2_K, "q2_k"),
+    (GgmlType::Q3_K, "q3_k"),
+    (GgmlType::Q4_K, "q4_k"),
+    (GgmlType::Q5_K, "q5_k"),
+    (GgmlType::Q6_K, "q6_k"),
+    (GgmlType::IQ4_NL, "iq4_nl"),
+    (GgmlType::IQ4_XS, "iq4_xs"),
+];
+
+/// Tokens per matrix-vector launch (kernels exist for 1, 2, 4 and 8).
+const TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
+/// Head sizes up to 32 * E for the attention kernels of E values per lane.
+const ATTN_E: [usize; 3] = [2, 4, 8];
+const MMV_THREADS: usize = 128;
+
+fn stem(ty: GgmlType) -> Option<&'static str> {
+    FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
+}
+
+fn is_float(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+/// Whether the CUDA backend multiplies weights of type `ty`.
+pub fn supports(ty: GgmlType) -> bool {
+    stem(ty).is_some()
+}
+
+/// Every kernel the module must contain.
+pub fn kernel_names() -> Vec<String> {
+    let mut v: Vec<String> = [
+        "quantize_q8_1",
+        "rms_norm",
+        "rope_angles",
+        "rope",
+        "add_f32",
+        "add_bias",
+        "scale_f32",
+        "softcap_f32",
+        "swiglu",
+        "geglu",
+        "gather_rows",
+        "kv_write",
+        "attn_combine",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for (ty, s) in FORMATS {
+        let kind = if is_float(ty) { "mmv" } else { "mmvq" };
+        for nt in TOKEN_TILES {
+            v.push(format!("{kind}_{s}_{nt}"));
+        }
+        v.push(format!("get_rows_{s}"));
+    }
+    for e in ATTN_E {
+        v.push(format!("attn_split_{e}"));
+    }
+    v
+}
+
+/// A weight matrix on the device in its GGUF block format: `n_rows` rows of `n_cols`.
+pub struct CudaMatrix {
+    pub ty: GgmlType,
+    pub n_rows: usize,
+    pub n_cols: usize,
+    data: GpuVec<u8>,
+}
+
+impl CudaMatrix {
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Device scratch reused from call to call: quantized activations, small index arrays and
+/// the attention's partial results.
+#[derive(Default)]
+pub struct Scratch {
+    aq: GpuVec<i8>,
+    ads: GpuVec<f32>,
+    ids: GpuVec<u32>,
+    rows: GpuVec<u64>,
+    part: GpuVec<f32>,
+}
+
+/// One query row's cache for [`CudaDevice::attention`]: device addresses of its K rows, V
+/// rows (f16, `kv_stride` halves per cell) and cell positions (u32), the cell count, and
+/// the visible position range.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnRow {
+    pub k: u64,
+    pub v: u64,
+    pub pos: u64,
+    pub n_cells: u32,
+    pub min_pos: u32,
+    pub max_pos: u32,
+}
+
+/// Shapes and scaling of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Halves between consecutive cells' rows (the cache's kv_dim).
+    pub kv_stride: usize,
+    pub scale: f32,
+    /// Scores become `softcap · tanh(score / softcap)`; 0 = none.
+    pub softcap: f32,
+}
+
+fn check_len(what: &str, have: usize, need: usize) -> Result<()> {
+    if have < need {
+        return Err(CudaError::Unsupported(format!(
+            "{what}: buffer holds {have} values, {need} needed"
+        )));
+    }
+    Ok(())
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+/// Threads serving one output row: enough to cover `items` work items without many idle.
+fn threads_per_row(items: usize) -> usize {
+    if items <= 32 {
+        32
+    } else if items <= 128 {
+        64
+    } else {
+        128
+    }
+}
+
+impl CudaDevice {
+    /// Uploads a weight matrix in its GGUF format (no conversion).
+    pub fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        bytes: &[u8],
+        n_rows: usize,
+        n_cols: usize,
+    ) -> Result<CudaMatrix> {
+        if !supports(ty) {
+            return Err(CudaError::Unsupported(format!("weights of type {ty}")));
+        }
+        let bs = ty.block_size();
+        if !n_cols.is_multiple_of(bs) || (!is_float(ty) && !n_cols.is_multiple_of(32)) {
+            return Err(CudaError::Unsupported(format!(
+                "{ty} matrix with {n_cols} columns (not whole blocks)"
+            )));
+        }
+        let need = n_rows * (n_cols / bs) * ty.type_size();
+        if bytes.len() != need {
+            return Err(CudaError::Unsupported(format!(
+                "{ty} matrix {n_rows}x{n_cols}: {} bytes given, {need} expected",
+                bytes.len()
+            )));
+        }
+        Ok(CudaMatrix {
+            ty,
+            n_rows,
+            n_cols,
+            data: self.upload(bytes)?,
+        })
+    }
+
+    fn launch_1d(&self, name: &str, n: usize, args: &[&dyn KernelArg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(name, (blocks(n, 256), 1, 1), 256, args)
+    }
+
+    /// Quantizes `n_tok` rows of `n_cols` activations into `s` (8-bit codes and a scale
+    /// per 32).
+    fn quantize_acts(
+        &self,
+        x: &GpuVec<f32>,
+        n_tok: usize,
+        n_cols: usize,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        check_len("activations", x.len(), n_tok * n_cols)?;
+        let ng = n_cols / 32;
+        s.aq.resize(self, n_tok * n_cols)?;
+        s.ads.resize(self, n_tok * ng * 2)?;
+        let (xp, aq, ads, nc) = (x.ptr(), s.aq.ptr(), s.ads.ptr(), n_cols as i32);
+        self.launch(
+            "quantize_q8_1",
+            (blocks(ng, 8), n_tok as u32, 1),
+            256,
+            &[&xp, &aq, &ads, &nc],
+        )?;
+        Ok(())
+    }
+
+    /// `out[t] = W · x[t]` for the `x.len() / n_cols` rows of `x`.
+    pub fn matmul(
+        &self,
+        w: &CudaMatrix,
+        x: &GpuVec<f32>,
+        out: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        self.matmul_many(&[w], x, &mut [out], s)
+    }
+
+    /// Several products of one input (its quantization is shared). All matrices must have
+    /// the same column count.
+    pub fn matmul_many(
+        &self,
+        ws: &[&CudaMatrix],
+        x: &GpuVec<f32>,
+        outs: &mut [&mut GpuVec<f32>],
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let Some(first) = ws.first() else {
+            return Ok(());
+        };
+        let n_cols = first.n_cols;
+        if ws.iter().any(|w| w.n_cols != n_cols) || outs.len() != ws.len() {
+            return Err(CudaError::Unsupported(
+                "matmul_many: matrices of different widths".into(),
+            ));
+        }
+        if !x.len().is_multiple_of(n_cols) {
+            return Err(CudaError::Unsupported(format!(
+                "matmul: {} activations in rows of {n_cols}",
+                x.len()
+            )));
+        }
+        let n_tok = x.len() / n_cols;
+        if ws.iter().any(|w| !is_float(w.ty)) {
+            self.quantize_acts(x, n_tok, n_cols, s)?;
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.mmv(w, x, n_tok, out, s)?;
+        }
+        Ok(())
+    }
+
+    /// The product with activations already quantized into `s` (quantized formats).
+    fn mmv(
+        &self,
+        w: &CudaMatrix,
+        x: &GpuVec<f32>,
+        n_tok: usize,
+        out: &mut GpuVec<f32>,
+        s: &Scratch,
+    ) -> Result<()> {
+        out.resize(self, n_tok * w.n_rows)?;
+        let st = stem(w.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
+        let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
+        let float = is_float(w.ty);
+        let items = if float { w.n_cols } else { w.n_cols / 32 };
+        let tpr = threads_per_row(items);
+        let grid = blocks(w.n_rows, MMV_THREADS / tpr);
+        let tpr_i = tpr as i32;
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let left = n_tok - t0;
+            let nt = TOKEN_TILES
+                .iter()
+                .copied()
+                .find(|&t| t >= left.min(8))
+                .unwrap_or(8);
+            let cnt = left.min(nt);
+            let cnt_i = cnt as i32;
+            let op = out.ptr() + (t0 * w.n_rows * 4) as u64;
+            if float {
+                let xp = x.ptr() + (t0 * w.n_cols * 4) as u64;
+                self.launch(
+                    &format!("mmv_{st}_{nt}"),
+                    (grid, 1, 1),
+                    MMV_THREADS as u32,
+                    &[&wp, &xp, &op, &nr, &nc, &cnt_i, &tpr_i],
+                )?;
+            } else {
+                let aq = s.aq.ptr() + (t0 * w.n_cols) as u64;
+                let ads = s.ads.ptr() + (t0 * (w.n_cols / 32) * 8) as u64;
+                self.launch(
+                    &format!("mmvq_{st}_{nt}"),
+                    (grid, 1, 1),
+                    MMV_THREADS as u32,
+                    &[&wp, &aq, &ads, &op, &nr, &nc, &cnt_i, &tpr_i],
+                )?;
+            }
+            t0 += cnt;
+        }
+        Ok(())
+    }
+
+    /// `out[i] = dequantize(table[ids[i]])`, the host dequantizer's values exactly.
+    pub fn get_rows(
+        &self,
+        table: &CudaMatrix,
+        ids: &[u32],
+        out: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.n_rows) {
+            return Err(CudaError::Unsupported(format!(
+                "row {bad} of a {}-row table",
+                table.n_rows
+            )));
+        }
+        let st = stem(table.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
+        out.resize(self, ids.len() * table.n_cols)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        s.ids.write(self, ids)?;
+        let (wp, ip, op, nc) = (
+            table.data.ptr(),
+            s.ids.ptr(),
+            out.ptr(),
+            table.n_cols as i32,
+        );
+        let per_thread = if is_float(table.ty) { 1 } else { 32 };
+        let items = table.n_cols / per_thread;
+        self.launch(
+            &format!("get_rows_{st}"),
+            (blocks(items, 128), ids.len() as u32, 1),
+            128,
+            &[&wp, &ip, &op, &nc],
+        )
+    }
+
+    /// `out = rms_norm(x) * w` per row of `w.len()` values.
+    pub fn rms_norm(
+        &self,
+        x: &GpuVec<f32>,
+        w: &GpuVec<f32>,
+        eps: f32,
+        out: &mut GpuVec<f32>,
+    ) -> Result<()> {
+        out.resize(self, x.len())?;
+        self.rms_norm_ptrs(x.ptr(), x.len(), w, eps, out.ptr())
+    }
+
+    /// `x = rms_norm(x) * w` in place.
+    pub fn rms_norm_inplace(&self, x: &mut GpuVec<f32>, w: &GpuVec<f32>, eps: f32) -> Result<()> {
+        self.rms_norm_ptrs(x.ptr(), x.len(), w, eps, x.ptr())
+    }
+
+    fn rms_norm_ptrs(&self, x: u64, len: usize, w: &GpuVec<f32>, eps: f32, out: u64) -> Result<()> {
+        let n = w.len();
+        if n == 0 || !len.is_multiple_of(n) {
+            return Err(CudaError::Unsupported(format!(
+                "rms_norm of {len} values in rows of {n}"
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let (wp, ni) = (w.ptr(), n as i32);
+        let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        self.launch(
+            "rms_norm",
+            ((len / n) as u32, 1, 1),
+            threads,
+            &[&x, &wp, &out, &ni, &eps],
+        )
+    }
+
+    /// cos/sin of `rope`'s angles for each position (`pos`: u32 positions on the device,
+    /// `ff`: optional per-pair frequency factors), `n_rot / 2` per row.
+    pub fn rope_angles(
+        &self,
+        rope: &Rope,
+        pos: &GpuVec<u32>,
+        ff: Option<&GpuVec<f32>>,
+        cos: &mut GpuVec<f32>,
+        sin: &mut GpuVec<f32>,
+    ) -> Result<()> {
+        let half = rope.n_rot / 2;
+        let n = pos.len();
+        if let Some(f) = ff {
+            check_len("rope frequency factors", f.len(), half)?;
+        }
+        cos.resize(self, n * half)?;
+        sin.resize(self, n * half)?;
+        let theta_scale = rope.freq_base.powf(-2.0 / rope.n_rot as f32);
+        let (pp, fp, cp, sp) = (pos.ptr(), ff.map_or(0, |f| f.ptr()), cos.ptr(), sin.ptr());
+        let (nr, hf, fs) = (n as i32, half as i32, rope.freq_scale);
+        self.launch_1d(
+            "rope_angles",
+            n * half,
+            &[&pp, &fp, &cp, &sp, &nr, &hf, &theta_scale, &fs],
+        )
+    }
+
+    /// Rotates every head of every row of `x` by its row's angles.
+    pub fn rope(
+        &self,
+        x: &mut GpuVec<f32>,
+        rope: &Rope,
+        head_dim: usize,
+        cos: &GpuVec<f32>,
+        sin: &GpuVec<f32>,
+    ) -> Result<()> {
+        let half = rope.n_rot / 2;
+        if half == 0 {
+            return Ok(());
+        }
+        let n_rows = cos.len() / half;
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let width = x.len() / n_rows;
+        if width * n_rows != x.len() || head_dim == 0 || !width.is_multiple_of(head_dim) {
+            return Err(CudaError::Unsupported(format!(
+                "rope of {} values over {n_rows} rows, head size {head_dim}",
+                x.len()
+            )));
+        }
+        let neox = i32::from(rope.mode == RopeMode::Neox);
+        let (xp, cp, sp) = (x.ptr(), cos.ptr(), sin.ptr());
+        let (nr, wd, hd, rot) = (
+            n_rows as i32,
+            width as i32,
+            head_dim as i32,
+            rope.n_rot as i32,
+        );
+        self.launch_1d(
+            "rope",
+            n_rows * (width / head_dim) * half,
+            &[&xp, &cp, &sp, &nr, &wd, &hd, &rot, &neox],
+        )
+    }
+
+    /// `x += y`.
+    pub fn add(&self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) -> Result<()> {
+        check_len("add", y.len(), x.len())?;
+        let (xp, yp, n) = (x.ptr(), y.ptr(), x.len() as i64);
+        self.launch_1d("add_f32", x.len(), &[&xp, &yp, &n])
+    }
+
+    /// `x[row] += b` for every row of `b.len()` values.
+    pub fn add_bias(&self, x: &mut GpuVec<f32>, b: &GpuVec<f32>) -> Result<()> {
+        if b.is_empty() || !x.len().is_multiple_of(b.len()) {
+            return Err(CudaError::Unsupported(format!(
+                "bias of {} values on {} values",
+                b.len(),
+                x.len()
+            )));
+        }
+        let (xp, bp, n, l) = (x.ptr(), b.ptr(), x.len() as i64, b.len() as i32);
+        self.launch_1d("add_bias", x.len(), &[&xp, &bp, &n, &l])
+    }
+
+    /// `x *= s`.
+    pub fn scale(&self, x: &mut GpuVec<f32>, s: f32) -> Result<()> {
+        let (xp, n) = (x.ptr(), x.len() as i64);
+        self.launch_1d("scale_f32", x.len(), &[&xp, &s, &n])
+    }
+
+    /// `x = tanh(x / cap) · cap`.
+    pub fn softcap(&self, x: &mut GpuVec<f32>, cap: f32) -> Result<()> {
+        let (xp, n) = (x.ptr(), x.len() as i64);
+        self.launch_1d("softcap_f32", x.len(), &[&xp, &cap, &n])
+    }
+
+    /// `gate = act(gate) ⊙ up` (`gelu`: ggml's tanh approximation; else SiLU).
+    pub fn glu(&self, gelu: bool, gate: &mut GpuVec<f32>, up: &GpuVec<f32>) -> Result<()> {
+        check_len("glu", up.len(), gate.len())?;
+        let (gp, up_, n) = (gate.ptr(), up.ptr(), gate.len() as i64);
+        let name = if gelu { "geglu" } else { "swiglu" };
+        self.launch_1d(name, gate.len(), &[&gp, &up_, &n])
+    }
+
+    /// `out` = rows `rows` of `x` (rows of `width` values), in that order.
+    pub fn gather_rows(
+        &self,
+        x: &GpuVec<f32>,
+        width: usize,
+        rows: &[u32],
+        out: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        if let Some(&bad) = rows.iter().find(|&&r| (r as usize + 1) * width > x.len()) {
+            return Err(CudaError::Unsupported(format!("row {bad} out of range")));
+        }
+        out.resize(self, rows.len() * width)?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        s.ids.write(self, rows)?;
+        let (xp, rp, op, w, n) = (
+            x.ptr(),
+            s.ids.ptr(),
+            out.ptr(),
+            width as i32,
+            rows.len() as i32,
+        );
+        self.launch_1d("gather_rows", rows.len() * width, &[&xp, &rp, &op, &w, &n])
+    }
+
+    /// Writes row `r` of `k` and `v` (`kv_dim` values each) as f16 at the device
+    /// addresses `dst_k[r]` and `dst_v[r]`.
+    ///
+    /// # Safety
+    /// Each address must point to `kv_dim` writable halves of live device memory.
+    pub unsafe fn kv_write(
+        &self,
+        k: &GpuVec<f32>,
+        v: &GpuVec<f32>,
+        kv_dim: usize,
+        dst_k: &[u64],
+        dst_v: &[u64],
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let n = dst_k.len();
+        if dst_v.len() != n {
+            return Err(CudaError::Unsupported(
+                "kv_write: K and V row counts differ".into(),
+            ));
+        }
+        check_len("kv_write k", k.len(), n * kv_dim)?;
+        check_len("kv_write v", v.len(), n * kv_dim)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut both = Vec::with_capacity(2 * n);
+        both.extend_from_slice(dst_k);
+        both.extend_from_slice(dst_v);
+        s.rows.write(self, &both)?;
+        let (kp, vp, dk, dv) = (k.ptr(), v.ptr(), s.rows.ptr(), s.rows.ptr() + 8 * n as u64);
+        let (nr, kd) = (n as i32, kv_dim as i32);
+        self.launch_1d("kv_write", n * kv_dim, &[&kp, &vp, &dk, &dv, &nr, &kd])
+    }
+
+    /// Attention of each query row of `q` (`n_head · head_dim` values) over its row's
+    /// cache: `out = softmax(q·Kᵀ·scale, visible cells) · V`, zeros where no cell is
+    /// visible. `split` forces the number of sequence splits (default: enough blocks to
+    /// fill the GPU).
+    ///
+    /// # Safety
+    /// Every address in `rows` must point to live device memory holding `n_cells` cells.
+    pub unsafe fn attention(
+        &self,
+        shape: &AttnShape,
+        q: &GpuVec<f32>,
+        rows: &[AttnRow],
+        out: &mut GpuVec<f32>,
+        split: Option<usize>,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let (nh, hd) = (shape.n_head, shape.head_dim);
+        let n = rows.len();
+        if shape.n_head_kv == 0 || !nh.is_multiple_of(shape.n_head_kv) {
+            return Err(CudaError::Unsupported(format!(
+                "{nh} heads over {} KV heads",
+                shape.n_head_kv
+            )));
+        }
+        let Some(e) = ATTN_E.iter().copied().find(|&e| hd <= 32 * e) else {
+            return Err(CudaError::Unsupported(format!("head size {hd} (max 256)")));
+        };
+        check_len("attention q", q.len(), n * nh * hd)?;
+        out.resize(self, n * nh * hd)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let max_cells = rows.iter().map(|r| r.n_cells as usize).max().unwrap_or(0);
+        let n_split = match split {
+            Some(k) => k.max(1),
+            None => {
+                let want = (2 * self.info.multiprocessors).div_ceil(n * nh);
+                want.clamp(1, max_cells.div_ceil(64).max(1)).min(64)
+            }
+        };
+        let mut packed = Vec::with_capacity(5 * n);
+        for r in rows {
+            packed.extend_from_slice(&[
+                r.k,
+                r.v,
+                r.pos,
+                u64::from(r.n_cells),
+                u64::from(r.min_pos) | (u64::from(r.max_pos) << 32),
+            ]);
+        }
+        s.rows.write(self, &packed)?;
+        if n_split > 1 {
+            s.part.resize(self, n * nh * n_split * (hd + 2))?;
+        }
+        let (qp, rp, pp, op) = (q.ptr(), s.rows.ptr(), s.part.ptr(), out.ptr());
+        let (nhi, nkv, hdi, kvs, ns) = (
+            nh as i32,
+            shape.n_head_kv as i32,
+            hd as i32,
+            shape.kv_stride as i32,
+            n_split as i32,
+        );
+        let (sc, cap) = (shape.scale, shape.softcap);
+        self.launch(
+            &format!("attn_split_{e}"),
+            (nh as u32, n as u32, n_split as u32),
+            128,
+            &[&qp, &rp, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap, &ns],
+        )?;
+        if n_split > 1 {
+            self.launch(
+                "attn_combine",
+                (nh as u32, n as u32, 1),
+                128,
+                &[&pp, &op, &nhi, &hdi, &ns],
+            )?;
+        }
+        Ok(())
+    }
+}
