@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use rustorch_core::gguf::GgufFile;
-use rustorch_llm::Model;
+use rustorch_llm::{Batch, Model, Runtime};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -43,4 +43,38 @@ pub fn argmax(v: &[f32]) -> usize {
 pub fn logsumexp(v: &[f32]) -> f64 {
     let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
+}
+
+/// Max |Δ| between the logits of `tokens` evaluated as one batch and fed one token at a
+/// time at explicit positions (asserting the same argmax at every position but near-ties).
+pub fn batch_vs_sequential(model: &Model, tokens: &[u32]) -> f32 {
+    let nv = model.hparams().n_vocab;
+    let rt = Runtime::new(2);
+    let mut c1 = model.new_cache(tokens.len().max(128));
+    let batched = model
+        .forward(&Batch::from_prompt(tokens, 0, 0, true), &mut c1, &rt)
+        .expect("batch");
+    let mut c2 = model.new_cache(tokens.len().max(128));
+    let mut worst = 0f32;
+    for (i, &t) in tokens.iter().enumerate() {
+        let mut b = Batch::new();
+        b.push(t, i as u32, 0, true);
+        let one = model.forward(&b, &mut c2, &rt).expect("one token");
+        let x = one.last(nv).expect("logits");
+        let y = batched.logits_for(i, nv).expect("row");
+        if argmax(x) != argmax(y) {
+            // allowed only where the two best logits are within rounding of each other
+            let mut s = x.to_vec();
+            s.sort_by(|a, b| b.total_cmp(a));
+            assert!(
+                s[0] - s[1] < 0.05,
+                "position {i}: argmax differs with a top-2 margin of {}",
+                s[0] - s[1]
+            );
+        }
+        for (a, b) in x.iter().zip(y) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    worst
 }
