@@ -131,7 +131,9 @@ pub fn load_nvrtc() -> Result<(libloading::Library, String), CudaError> {
                 return Ok((lib, p.display().to_string()));
             }
         }
-        tried.push(dir.display().to_string());
+        if dir.is_dir() {
+            tried.push(dir.display().to_string());
+        }
     }
     Err(CudaError::NvrtcMissing {
         tried: tried.join(", "),
