@@ -6,12 +6,14 @@
 //! files in `kernels/`, compiled by NVRTC for the device's architecture on first use and
 //! cached on disk (see [`device`]).
 
+pub mod backend;
 pub mod device;
 pub mod error;
 pub mod kernels;
 pub mod nvrtc;
 pub mod probe;
 
+pub use backend::{Cuda, CudaAngles};
 pub use device::{CudaDevice, DeviceInfo, GpuVec, ModuleInfo};
 pub use error::CudaError;
 pub use kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
