@@ -599,6 +599,59 @@ impl Harness {
             );
         }
         println!("(t=1 includes the activation quantization launch; GB/s = weight bytes / time)");
+
+        println!();
+        println!("decode attention, 32 heads / 8 KV heads x 128, one query, f16 K/V:");
+        println!("{:>8} {:>8} {:>10} {:>8}", "cells", "splits", "µs", "GB/s");
+        let (nh, nkv, hd) = (32usize, 8usize, 128usize);
+        let kvd = nkv * hd;
+        for n_cells in [512usize, 4096, 32768] {
+            let k: Vec<u16> = (0..n_cells * kvd)
+                .map(|_| f32_to_f16(gauss(&mut self.rng)))
+                .collect();
+            let gk = self.dev.upload(&k).expect("upload");
+            let gv = self.dev.upload(&k).expect("upload");
+            let pos: Vec<u32> = (0..n_cells as u32).collect();
+            let gp = self.dev.upload(&pos).expect("upload");
+            let qh = self.randn(nh * hd, 1.0);
+            let q = self.up(&qh);
+            let rows = [AttnRow {
+                k: gk.ptr(),
+                v: gv.ptr(),
+                pos: gp.ptr(),
+                n_cells: n_cells as u32,
+                min_pos: 0,
+                max_pos: n_cells as u32,
+            }];
+            let shape = AttnShape {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim: hd,
+                kv_stride: kvd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                softcap: 0.0,
+            };
+            let mut out = GpuVec::default();
+            let mut s = Scratch::default();
+            let t = self.time(50, || {
+                // SAFETY: the row points at the buffers above.
+                unsafe {
+                    self.dev
+                        .attention(&shape, &q, &rows, &mut out, None, &mut s)
+                        .expect("attention");
+                }
+            });
+            let splits =
+                rustorch_cuda::kernels::auto_splits(self.dev.info.multiprocessors, nh, n_cells);
+            let bytes = 2.0 * (n_cells * kvd * 2) as f64;
+            println!(
+                "{:>8} {:>8} {:>10.1} {:>8.0}",
+                n_cells,
+                splits,
+                t * 1e6,
+                bytes / t / 1e9
+            );
+        }
     }
 }
 

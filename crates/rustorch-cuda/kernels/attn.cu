@@ -12,6 +12,38 @@
 
 #define ATTN_WARPS 4
 
+// Elements lane*E .. lane*E+E-1 of an f16 row of hd values (0 past the end): one 4-, 8- or
+// 16-byte load when `vec` (hd and the row stride are multiples of E, rows aligned).
+template <int E>
+__device__ __forceinline__ void load_halves(const u16 *row, int lane, int hd, bool vec,
+                                            float (&out)[E]) {
+    const int i0 = lane * E;
+    if (vec && i0 < hd) {
+        u32 w[E / 2];
+        if (E == 2) {
+            w[0] = *(const u32 *)(row + i0);
+        } else if (E == 4) {
+            uint2 x = *(const uint2 *)(row + i0);
+            w[0] = x.x;
+            w[1 % (E / 2)] = x.y;
+        } else {
+            uint4 x = *(const uint4 *)(row + i0);
+            w[0] = x.x;
+            w[1 % (E / 2)] = x.y;
+            w[2 % (E / 2)] = x.z;
+            w[3 % (E / 2)] = x.w;
+        }
+#pragma unroll
+        for (int j = 0; j < E / 2; j++) {
+            out[2 * j] = h2f((u16)(w[j] & 0xffff));
+            out[2 * j + 1] = h2f((u16)(w[j] >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++) out[e] = i0 + e < hd ? h2f(row[i0 + e]) : 0.0f;
+    }
+}
+
 template <int E>
 __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u64 *__restrict__ rows,
                                            float *__restrict__ part, float *__restrict__ out,
@@ -32,43 +64,65 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
     const int c0 = sp * chunk;
     const int c1 = min(nc, c0 + chunk);
 
+    // lane holds elements lane*E .. lane*E+E-1 of the head (contiguous: one vector load
+    // per row when the rows are aligned for it)
+    const bool vec = (hd % E) == 0 && (kv_stride % E) == 0;
     // the query rounded to f16, as the CPU's f16 K.Q product takes it
     float qr[E];
     const float *qh = q + ((size_t)t * n_head + h) * hd;
 #pragma unroll
     for (int e = 0; e < E; e++) {
-        const int i = lane + 32 * e;
+        const int i = lane * E + e;
         qr[e] = i < hd ? h2f(f2h(qh[i])) : 0.0f;
     }
     float m = NEG_INF, s = 0.0f, acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
 
-    for (int c = c0 + warp; c < c1; c += ATTN_WARPS) {
-        const u32 p = P[c];
-        if (p > max_pos || p < min_pos) continue;
-        const u16 *kr = K + (size_t)c * kv_stride + (size_t)kvh * hd;
-        const u16 *vr = V + (size_t)c * kv_stride + (size_t)kvh * hd;
-        float dot = 0.0f;
+    // software-pipelined walk: the next cell's position, key and value are loaded before
+    // the current cell is used (keys and values of invisible cells are loaded and dropped)
+    int c = c0 + warp;
+    bool have = c < c1;
+    u32 p = 0;
+    float kf[E], vf[E];
+    if (have) {
+        p = P[c];
+        load_halves<E>(K + (size_t)c * kv_stride + (size_t)kvh * hd, lane, hd, vec, kf);
+        load_halves<E>(V + (size_t)c * kv_stride + (size_t)kvh * hd, lane, hd, vec, vf);
+    }
+    while (have) {
+        const int cn = c + ATTN_WARPS;
+        const bool hn = cn < c1;
+        u32 pn = 0;
+        float kn[E], vn[E];
+        if (hn) {
+            pn = P[cn];
+            load_halves<E>(K + (size_t)cn * kv_stride + (size_t)kvh * hd, lane, hd, vec, kn);
+            load_halves<E>(V + (size_t)cn * kv_stride + (size_t)kvh * hd, lane, hd, vec, vn);
+        }
+        if (p <= max_pos && p >= min_pos) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; e++) dot += qr[e] * kf[e];
+            dot = warp_sum(dot);
+            float sc = dot * scale;
+            if (softcap != 0.0f) sc = softcap * tanhf(sc / softcap);
+            const float mn = fmaxf(m, sc);
+            const float corr = expf(m - mn);
+            const float pw = expf(sc - mn);
+            s = s * corr + pw;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[e] = acc[e] * corr + pw * vf[e];
+            m = mn;
+        }
+        c = cn;
+        have = hn;
+        p = pn;
 #pragma unroll
         for (int e = 0; e < E; e++) {
-            const int i = lane + 32 * e;
-            if (i < hd) dot += qr[e] * h2f(kr[i]);
+            kf[e] = kn[e];
+            vf[e] = vn[e];
         }
-        dot = warp_sum(dot);
-        float sc = dot * scale;
-        if (softcap != 0.0f) sc = softcap * tanhf(sc / softcap);
-        const float mn = fmaxf(m, sc);
-        const float corr = expf(m - mn);
-        const float pw = expf(sc - mn);
-        s = s * corr + pw;
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            const int i = lane + 32 * e;
-            const float vv = i < hd ? h2f(vr[i]) : 0.0f;
-            acc[e] = acc[e] * corr + pw * vv;
-        }
-        m = mn;
     }
 
     if (lane == 0) {
@@ -76,7 +130,7 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
         sm_s[warp] = s;
     }
 #pragma unroll
-    for (int e = 0; e < E; e++) sm_acc[warp][lane + 32 * e] = acc[e];
+    for (int e = 0; e < E; e++) sm_acc[warp][lane * E + e] = acc[e];
     __syncthreads();
 
     float M = NEG_INF;
@@ -127,7 +181,8 @@ ATTN_KERNEL(2)
 ATTN_KERNEL(4)
 ATTN_KERNEL(8)
 
-// Merges the n_split partial results of each (row, head): grid (n_head, n_rows).
+// Merges the n_split partial results of each (row, head): grid (n_head, n_rows, hd / 32
+// rounded up), 32 threads, one output element each.
 extern "C" __global__ void attn_combine(const float *__restrict__ part, float *__restrict__ out,
                                         int n_head, int hd, int n_split) {
     const int h = blockIdx.x, t = blockIdx.y;
@@ -144,7 +199,8 @@ extern "C" __global__ void attn_combine(const float *__restrict__ part, float *_
     }
     const float inv = S > 0.0f ? 1.0f / S : 0.0f;
     const size_t o = ((size_t)t * n_head + h) * hd;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    const int i = blockIdx.z * blockDim.x + threadIdx.x;
+    if (i < hd) {
         float a = 0.0f;
         for (int j = 0; j < n_split; j++) {
             const float *pj = pp + (size_t)j * (hd + 2);

@@ -154,6 +154,17 @@ fn threads_per_row(items: usize) -> usize {
     }
 }
 
+/// Sequence splits for attention: enough blocks for two per multiprocessor, and at most
+/// 128 cells per split for long contexts (each warp walks its cells one after another), but
+/// no split under 64 cells and at most 64 splits (the merge reads every split).
+pub fn auto_splits(multiprocessors: usize, heads_x_rows: usize, max_cells: usize) -> usize {
+    let fill = (2 * multiprocessors).div_ceil(heads_x_rows.max(1));
+    let long = max_cells.div_ceil(128);
+    fill.max(long)
+        .clamp(1, max_cells.div_ceil(64).max(1))
+        .min(64)
+}
+
 impl CudaDevice {
     /// Uploads a weight matrix in its GGUF format (no conversion).
     pub fn upload_matrix(
@@ -588,10 +599,7 @@ impl CudaDevice {
         let max_cells = rows.iter().map(|r| r.n_cells as usize).max().unwrap_or(0);
         let n_split = match split {
             Some(k) => k.max(1),
-            None => {
-                let want = (2 * self.info.multiprocessors).div_ceil(n * nh);
-                want.clamp(1, max_cells.div_ceil(64).max(1)).min(64)
-            }
+            None => auto_splits(self.info.multiprocessors, n * nh, max_cells),
         };
         let mut packed = Vec::with_capacity(5 * n);
         for r in rows {
@@ -625,8 +633,8 @@ impl CudaDevice {
         if n_split > 1 {
             self.launch(
                 "attn_combine",
-                (nh as u32, n as u32, 1),
-                128,
+                (nh as u32, n as u32, hd.div_ceil(32) as u32),
+                32,
                 &[&pp, &op, &nhi, &hdi, &ns],
             )?;
         }
