@@ -8,8 +8,9 @@ Usage (from the repository root):
 writes OUTDIR/synthetic-<arch>.gguf for each ARCH (default: all of them) and prints
 each file's size and sha256. Architectures: llama (Llama-3 `rope_freqs` factors),
 qwen3 (Q/K norm), qwen3moe (router + top-k experts), gemma2 (attention and
-final-logit soft-capping, alternating sliding window, tied output) and phi3 (fused
-attn_qkv, gate+up fused in ffn_up).
+final-logit soft-capping, alternating sliding window, tied output), phi3 (fused
+attn_qkv, gate+up fused in ffn_up) and gemma3 (Q/K norm, five sliding layers and one
+global, separate RoPE base for the sliding ones, tied Q8_0 output).
 
 Every model is a pure function of its architecture's seed, the vocab GGUF and the
 versions of numpy (Generator stream) and gguf-py (writer layout, Q8_0 rounding): the
@@ -28,7 +29,8 @@ models/vocab/ggml-vocab-deepseek-coder.gguf (BPE, pre-tokenizer `deepseek-coder`
 32256 tokens, the smallest BPE vocab there), checked against scripts/vocab.sha256.
 n_vocab is that token count.
 
-Shapes: n_embd 128, 4 query heads and 2 KV heads of 32, n_ff 256, context 2048.
+Shapes: n_embd 128, 4 query heads and 2 KV heads of 32, n_ff 256, context 2048,
+4 layers (gemma3: 6, so that its default sliding-window pattern has a global layer).
 Weights are Gaussian with per-tensor scales chosen so the model is not numerically
 degenerate (N(0, 0.02) everywhere would give near-uniform attention, which would hide
 RoPE, masking and soft-capping errors, and logits so flat that most greedy steps
@@ -180,11 +182,11 @@ class Model:
     def f32(self, template: str, value: float) -> None:
         self.key(template, float(value), VT.FLOAT32)
 
-    def common_hparams(self, *, rms_eps: float, rope_base: float) -> None:
+    def common_hparams(self, *, rms_eps: float, rope_base: float, n_layer: int = N_LAYER) -> None:
         K = gguf.Keys
         self.u32(K.LLM.CONTEXT_LENGTH, N_CTX)
         self.u32(K.LLM.EMBEDDING_LENGTH, N_EMBD)
-        self.u32(K.LLM.BLOCK_COUNT, N_LAYER)
+        self.u32(K.LLM.BLOCK_COUNT, n_layer)
         self.u32(K.LLM.FEED_FORWARD_LENGTH, N_FF)
         self.u32(K.Attention.HEAD_COUNT, N_HEAD)
         self.u32(K.Attention.HEAD_COUNT_KV, N_HEAD_KV)
@@ -434,6 +436,47 @@ def build_phi3(m: Model) -> None:
         m.matrix(T.FFN_UP, i, 2 * N_FF, N_EMBD, 1 / math.sqrt(N_EMBD), q)
         m.matrix(T.FFN_DOWN, i, N_EMBD, N_FF, 1 / math.sqrt(N_FF), q)
     m.output(QT.Q8_0)
+
+
+@architecture("gemma3", seed=1006, file_type=gguf.LlamaFileType.MOSTLY_F16)
+def build_gemma3(m: Model) -> None:
+    """Gemma 3: Gemma 2's layout (embeddings scaled by sqrt(n_embd), GELU FFN,
+    post-attention and post-FFN norms, NEOX RoPE, output tied to token_embd) without
+    attention soft-capping, plus a per-head RMS norm of Q and K before RoPE
+    (attn_q_norm, attn_k_norm, [head_dim]). 6 layers, not 4: with llama.cpp's default
+    pattern of 6 for gemma3 (no pattern key is written, as the converter writes none)
+    layers 0-4 use a sliding window of 16 tokens and layer 5 full attention; 4 layers
+    would have no global one. RoPE base 1e6 on the global layer, rope.freq_base_swa
+    10000 on the sliding ones (the converter writes it from rope_parameters'
+    sliding_attention; llama.cpp reads it, default also 10000). No final soft-capping
+    (llama.cpp's default for gemma3 is none; no key written). The attention scale is
+    1/sqrt(head_dim) (llama.cpp: every size but 27B).
+    Q/K norm weights are centred on sqrt(3): after the norm each q and k element has
+    unit RMS, so scores q.k/sqrt(head_dim) would have a std of about 1 (attention
+    near uniform over the window); centring both norms on c gives about c^2 = 3, as
+    gemma2's projections do. Post-norms around 8 as in gemma2 (same reason: tied,
+    scaled embedding). F16 matrices, Q8_0 embedding (and so output)."""
+    K = gguf.Keys
+    n_layer = 6
+    m.common_hparams(rms_eps=1e-6, rope_base=1000000.0, n_layer=n_layer)
+    m.u32(K.Attention.KEY_LENGTH, HEAD_DIM)
+    m.u32(K.Attention.VALUE_LENGTH, HEAD_DIM)
+    m.u32(K.Attention.SLIDING_WINDOW, 16)
+    m.f32(K.Rope.FREQ_BASE_SWA, 10000.0)
+    post_norm = 8.0
+    qk_norm = math.sqrt(3.0)
+    q = QT.F16
+    m.embeddings(QT.Q8_0, std=LOGIT_STD / math.sqrt(N_EMBD))
+    for i in range(n_layer):
+        m.norm(T.ATTN_NORM, i)
+        m.attention(i, q)
+        m.norm(T.ATTN_Q_NORM, i, HEAD_DIM, center=qk_norm)
+        m.norm(T.ATTN_K_NORM, i, HEAD_DIM, center=qk_norm)
+        m.norm(T.ATTN_POST_NORM, i, center=post_norm)
+        m.norm(T.FFN_NORM, i)
+        m.gated_ffn(i, q)
+        m.norm(T.FFN_POST_NORM, i, center=post_norm)
+    m.norm(T.OUTPUT_NORM, None)
 
 
 # ----------------------------------------------------------------------------

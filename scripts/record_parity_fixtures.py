@@ -109,6 +109,9 @@ def record(key, fname):
         "sha256": sha256(path),
         "n_vocab": llm.n_vocab(),
         "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, f16 KV, n_threads 2",
+        # llama.cpp is built for this CPU (-march=native): with AVX512-FP16 its attention
+        # accumulates in native f16, without it in f32; the tests reproduce the one recorded
+        "avx512fp16": "avx512_fp16" in open("/proc/cpuinfo").read().split(),
         "cases": cases,
     }
     with open(os.path.join(OUT, f"{key}.json"), "w") as f:

@@ -2,9 +2,9 @@
 """Record llama.cpp reference outputs for the synthetic-model parity tests.
 
 The models are the random-weight GGUFs of scripts/make-synthetic-models.py (llama
-with Llama-3 rope factors, qwen3, qwen3moe, gemma2, phi3). This script first rebuilds
-them into models/synthetic/ (they are deterministic), then, for each model and each of
-4 prompts, stores llama.cpp's prompt tokens, its greedy continuation (32 tokens,
+with Llama-3 rope factors, qwen3, qwen3moe, gemma2, phi3, gemma3). This script first
+rebuilds them into models/synthetic/ (they are deterministic), then, for each model and
+each of 4 prompts, stores llama.cpp's prompt tokens, its greedy continuation (32 tokens,
 stopping early only at an end-of-generation token), for every step the top-20
 (id, logit) pairs and the log-sum-exp of the full logits vector, and the full
 first-step logits as little-endian f32 (the vocab has 32256 tokens, so 126 KiB per
@@ -17,7 +17,8 @@ prompt). Output in tests/fixtures/synthetic/:
 A test rebuilds the model with make-synthetic-models.py, checks its sha256 against
 the JSON (a mismatch means a different numpy/gguf-py changed the bytes, not that the
 engine is wrong), and compares. The prompts are long enough, with the continuation,
-to cross gemma2's 16-token sliding window; prompt 2 crosses it inside the prompt batch.
+to cross the 16-token sliding window of gemma2 and gemma3; prompt 2 crosses it inside
+the prompt batch.
 
 llama.cpp is used through the llama-cpp-python 0.3.36 bindings of the same sdist whose
 vendored llama.cpp is built with cmake (shared libraries), as
@@ -129,6 +130,9 @@ def record(arch, path):
         "n_vocab": llm.n_vocab(),
         "n_ctx": 512,
         "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, f16 KV, n_threads 2",
+        # llama.cpp is built for this CPU (-march=native): with AVX512-FP16 its attention
+        # accumulates in native f16, without it in f32; the tests reproduce the one recorded
+        "avx512fp16": "avx512_fp16" in open("/proc/cpuinfo").read().split(),
         "cases": cases,
     }
     with open(os.path.join(OUT, f"{arch}.json"), "w") as f:

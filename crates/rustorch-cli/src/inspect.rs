@@ -158,6 +158,50 @@ struct Architecture {
     vocab_size_source: Option<String>,
     tokenizer: Option<String>,
     parameters: u64,
+    /// How this engine runs the model: `null` fields where the feature is absent.
+    engine: Engine,
+}
+
+/// What the engine reads from the metadata (the architecture's own rules applied: default
+/// windows and layer patterns, soft-caps), or why it cannot run the file.
+#[derive(Serialize, Default)]
+struct Engine {
+    /// `null` when the engine runs this architecture, else the reason.
+    unsupported: Option<String>,
+    sliding_window: Option<u32>,
+    /// Layers attending over the whole context when others slide.
+    global_layers: Option<Vec<usize>>,
+    experts: Option<usize>,
+    experts_used: Option<usize>,
+    expert_feed_forward_length: Option<usize>,
+    attn_logit_softcap: Option<f32>,
+    final_logit_softcap: Option<f32>,
+}
+
+impl Engine {
+    fn new(f: &GgufFile) -> Self {
+        let hp = match rustorch_llm::HParams::from_gguf(f) {
+            Ok(hp) => hp,
+            Err(e) => {
+                return Engine {
+                    unsupported: Some(e.to_string()),
+                    ..Engine::default()
+                }
+            }
+        };
+        let some = |v: f32| (v != 0.0).then_some(v);
+        Engine {
+            unsupported: None,
+            sliding_window: (hp.n_swa > 0).then_some(hp.n_swa),
+            global_layers: (hp.n_swa > 0)
+                .then(|| (0..hp.n_layer).filter(|&il| !hp.swa_layers[il]).collect()),
+            experts: (hp.n_expert > 0).then_some(hp.n_expert),
+            experts_used: (hp.n_expert > 0).then_some(hp.n_expert_used),
+            expert_feed_forward_length: (hp.n_expert > 0).then_some(hp.n_ff_exp),
+            attn_logit_softcap: some(hp.attn_softcap),
+            final_logit_softcap: some(hp.final_softcap),
+        }
+    }
 }
 
 impl Report {
@@ -301,6 +345,7 @@ impl Architecture {
                 .map(str::to_string),
             parameters,
             name,
+            engine: Engine::new(f),
         }
     }
 }
@@ -559,6 +604,36 @@ impl Report {
             ),
         ];
         for (k, v) in rows {
+            writeln!(o, "  {k:<20} {v}")?;
+        }
+        let e = &a.engine;
+        let mut extra: Vec<(&str, String)> = Vec::new();
+        match &e.unsupported {
+            Some(why) => extra.push(("runs here", format!("no: {why}"))),
+            None => extra.push(("runs here", "yes".to_string())),
+        }
+        if let (Some(w), Some(g)) = (e.sliding_window, &e.global_layers) {
+            let list: Vec<String> = g.iter().map(usize::to_string).collect();
+            extra.push((
+                "sliding window",
+                format!("{w} tokens; global layers: {}", list.join(", ")),
+            ));
+        }
+        if let (Some(n), Some(k), Some(ff)) =
+            (e.experts, e.experts_used, e.expert_feed_forward_length)
+        {
+            extra.push((
+                "experts",
+                format!("{n}, {k} used per token, feed-forward {ff}"),
+            ));
+        }
+        if let Some(c) = e.attn_logit_softcap {
+            extra.push(("attention soft-cap", c.to_string()));
+        }
+        if let Some(c) = e.final_logit_softcap {
+            extra.push(("final soft-cap", c.to_string()));
+        }
+        for (k, v) in extra {
             writeln!(o, "  {k:<20} {v}")?;
         }
 

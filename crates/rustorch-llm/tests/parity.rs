@@ -6,7 +6,7 @@ mod common;
 
 use std::fs;
 
-use rustorch_llm::{Batch, Model, Runtime};
+use rustorch_llm::{Batch, Runtime};
 use serde_json::Value;
 
 use common::{argmax, batch_vs_sequential, load_model, logsumexp, root};
@@ -24,6 +24,16 @@ struct Case {
     tokens: Vec<u32>,
     continuation: Vec<u32>,
     steps: Vec<Step>,
+}
+
+/// A runtime computing as the llama.cpp build that recorded `key`'s fixture: with or without
+/// AVX512-FP16 in attention's f16 accumulator (recorded in the fixture), whatever this CPU is.
+fn runtime_for(key: &str, threads: usize) -> Runtime {
+    let path = root().join(format!("tests/fixtures/parity/{key}.json"));
+    let doc: Value = serde_json::from_slice(&fs::read(&path).expect("fixture")).expect("json");
+    let mut rt = Runtime::new(threads);
+    rt.native_f16 = doc["avx512fp16"].as_bool();
+    rt
 }
 
 fn load_fixture(key: &str) -> (String, Vec<Case>) {
@@ -99,7 +109,7 @@ fn run_model(key: &str, threads: usize) -> Vec<(usize, usize, f32)> {
         return Vec::new();
     };
     let nv = model.hparams().n_vocab;
-    let rt = Runtime::new(threads);
+    let rt = runtime_for(key, threads);
     let (mut kl_sum, mut kl_max, mut n_steps, mut max_delta) = (0.0f64, 0.0f64, 0usize, 0.0f32);
     let mut top1_mismatch_non_tie = Vec::new();
     let mut greedy_diverged = Vec::new();
@@ -458,7 +468,7 @@ fn first_step_prediction_matches_llama_cpp() {
             continue;
         };
         let nv = model.hparams().n_vocab;
-        let rt = Runtime::new(2);
+        let rt = runtime_for(key, 2);
         let mut kls = Vec::new();
         for (ci, case) in cases.iter().enumerate() {
             let out = model

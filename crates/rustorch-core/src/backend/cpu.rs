@@ -49,6 +49,8 @@ pub struct Cpu<'a> {
     qa: Vec<QActs>,
     /// The layer of the last hooked tensor (names the tensors hooked inside fused ops).
     layer: usize,
+    /// Attention's f16 accumulator arithmetic (see [`crate::kernels::native_f16`]).
+    native_f16: bool,
 }
 
 impl<'a> Cpu<'a> {
@@ -75,7 +77,15 @@ impl<'a> Cpu<'a> {
             dev,
             qa,
             layer: 0,
+            native_f16: crate::kernels::native_f16(),
         }
+    }
+
+    /// Computes the attention's f16 accumulator as a llama.cpp build with (`true`) or
+    /// without (`false`) AVX512-FP16 does, whatever this CPU has.
+    pub fn with_native_f16(mut self, native: bool) -> Self {
+        self.native_f16 = native;
+        self
     }
 
     fn view(&self, w: &WeightRef) -> QMatrix<'a> {
@@ -370,7 +380,7 @@ impl<'a> Backend for Cpu<'a> {
             );
         }
         let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
-        attention(self.pool, spec, rows, cache, q, out);
+        attention(self.pool, self.native_f16, spec, rows, cache, q, out);
     }
 
     fn keep_rows(&mut self, x: &mut Vec<f32>, width: usize, rows: &[usize]) {
@@ -407,6 +417,7 @@ unsafe impl Sync for SendPtr {}
 /// accumulated in an f16 vector, rescaled whenever a new maximum appears.
 fn attention(
     pool: &ThreadPool,
+    native_f16: bool,
     spec: &AttnSpec,
     rows: Rows<'_>,
     cache: &KvCache,
@@ -479,6 +490,7 @@ fn attention(
                 spec.scale
             },
             softcap: spec.softcap,
+            native_f16,
         };
         if n == 1 {
             let o = head0 * hd;

@@ -18,7 +18,7 @@
 //! single-token decoding over 512 or more cache cells (split over threads); those are not
 //! reproduced here, so results there agree to rounding rather than bit for bit.
 
-use super::cpu::{native_f16, Isa};
+use super::cpu::Isa;
 use crate::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
 
 /// Attention inputs for one query head.
@@ -42,6 +42,9 @@ pub struct HeadAttn<'a> {
     /// Attention-logit soft-capping: a scaled score `s` becomes `softcap · tanh(s)`
     /// (0 = none), as ggml's flash attention does.
     pub softcap: f32,
+    /// The f16 accumulator's arithmetic: llama.cpp built with AVX512-FP16 (native f16 on
+    /// blocks of 128, see [`crate::kernels::native_f16`]) or without (f32 multiply-adds).
+    pub native_f16: bool,
 }
 
 impl HeadAttn<'_> {
@@ -94,8 +97,8 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
         h,
         q16,
         acc,
-        |acc, ms| scale_f16(isa, acc, ms),
-        |acc, v, vs| mad_f16(isa, acc, v, vs),
+        |acc, ms| scale_f16(isa, h.native_f16, acc, ms),
+        |acc, v, vs| mad_f16(isa, h.native_f16, acc, v, vs),
     );
     for (o, &a) in out.iter_mut().zip(acc.iter()) {
         *o = f16_to_f32(a) * inv;
@@ -221,10 +224,10 @@ fn f64_to_f16(x: f64) -> u16 {
 }
 
 /// `ggml_vec_mad_f16`: `y += x · v`.
-pub fn mad_f16(isa: Isa, y: &mut [u16], x: &[u16], v: f32) {
+pub fn mad_f16(isa: Isa, native: bool, y: &mut [u16], x: &[u16], v: f32) {
     let n = y.len().min(x.len());
     // blocks of 128 in native f16 where llama.cpp's build has it, f32 arithmetic otherwise
-    let np = if native_f16() { n & !127 } else { 0 };
+    let np = if native { n & !127 } else { 0 };
     if np > 0 {
         // native f16 fused multiply-add: one rounding of the exact value
         let v16 = f16_to_f32(f32_to_f16(v)) as f64;
@@ -259,9 +262,9 @@ fn mad_native(y: &mut [u16], x: &[u16], v16: f64) {
 }
 
 /// `ggml_vec_scale_f16`: `y *= v`.
-pub fn scale_f16(isa: Isa, y: &mut [u16], v: f32) {
+pub fn scale_f16(isa: Isa, native: bool, y: &mut [u16], v: f32) {
     let n = y.len();
-    let np = if native_f16() { n & !127 } else { 0 };
+    let np = if native { n & !127 } else { 0 };
     if np > 0 {
         let v16 = f16_to_f32(f32_to_f16(v)) as f64;
         for a in y[..np].iter_mut() {
@@ -425,7 +428,11 @@ mod tests {
             s ^= s << 17;
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
         };
-        for hd in [64usize, 80, 128, 256] {
+        // both accumulator arithmetics, a window and a soft-cap
+        for (hd, native) in [64usize, 80, 128, 256]
+            .into_iter()
+            .flat_map(|h| [(h, true), (h, false)])
+        {
             let n_cells = 37;
             let k: Vec<u16> = (0..hd * n_cells).map(|_| f32_to_f16(rnd())).collect();
             let v: Vec<u16> = (0..hd * n_cells).map(|_| f32_to_f16(rnd())).collect();
@@ -438,17 +445,18 @@ mod tests {
                 stride: hd,
                 offset: 0,
                 pos: &pos,
-                min_pos: 0,
+                min_pos: if native { 0 } else { 7 },
                 max_pos: 30,
                 scale: 1.0 / (hd as f32).sqrt(),
-                softcap: 0.0,
+                softcap: if native { 0.0 } else { 5.0 },
+                native_f16: native,
             };
             let mut want = vec![0f32; hd];
             attend_head(Isa::Scalar, &h, &mut want);
             for &isa in &isas {
                 let mut got = vec![0f32; hd];
                 attend_head(isa, &h, &mut got);
-                assert_eq!(got, want, "{isa:?} hd {hd}");
+                assert_eq!(got, want, "{isa:?} hd {hd} native f16 {native}");
             }
         }
     }

@@ -83,71 +83,53 @@ fn dot_tiny<E: Elem>(x: &[E], y: &[E]) -> f32 {
     reduce16(&acc)
 }
 
-/// The products of output rows `r0..r1` for every activation row.
-#[inline(always)]
-fn rows<E: Elem>(
-    w: &[E],
-    x: &[E],
+/// One product: weights and activations (`k` values per row), output layout, algorithm.
+#[derive(Clone, Copy)]
+struct Job<'a, E> {
+    w: &'a [E],
+    x: &'a [E],
     k: usize,
     n_rows: usize,
     tiny: bool,
-    r0: usize,
-    r1: usize,
     dst: SendPtr,
-) {
-    let n_tok = x.len() / k;
+}
+
+/// The products of output rows `r0..r1` for every activation row.
+#[inline(always)]
+fn rows<E: Elem>(j: Job<'_, E>, r0: usize, r1: usize) {
+    let k = j.k;
+    let n_tok = j.x.len() / k;
     for r in r0..r1 {
-        let wr = &w[r * k..(r + 1) * k];
+        let wr = &j.w[r * k..(r + 1) * k];
         for t in 0..n_tok {
-            let xr = &x[t * k..(t + 1) * k];
-            let v = if tiny {
+            let xr = &j.x[t * k..(t + 1) * k];
+            let v = if j.tiny {
                 dot_tiny(wr, xr)
             } else {
                 dot64(wr, xr)
             };
             // SAFETY: each (t, r) is written by exactly one task.
-            unsafe { *dst.0.add(t * n_rows + r) = v };
+            unsafe { *j.dst.0.add(t * j.n_rows + r) = v };
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn rows_fma<E: Elem>(
-    w: &[E],
-    x: &[E],
-    k: usize,
-    n_rows: usize,
-    tiny: bool,
-    r0: usize,
-    r1: usize,
-    dst: SendPtr,
-) {
+unsafe fn rows_fma<E: Elem>(j: Job<'_, E>, r0: usize, r1: usize) {
     // same operations; the multiply-adds become instructions instead of library calls
-    rows(w, x, k, n_rows, tiny, r0, r1, dst)
+    rows(j, r0, r1)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rows_isa<E: Elem>(
-    isa: Isa,
-    w: &[E],
-    x: &[E],
-    k: usize,
-    n_rows: usize,
-    tiny: bool,
-    r0: usize,
-    r1: usize,
-    dst: SendPtr,
-) {
+fn rows_isa<E: Elem>(isa: Isa, j: Job<'_, E>, r0: usize, r1: usize) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         // SAFETY: the family (AVX-512F with FMA and F16C) was detected.
-        unsafe { rows_fma(w, x, k, n_rows, tiny, r0, r1, dst) };
+        unsafe { rows_fma(j, r0, r1) };
         return;
     }
     let _ = isa;
-    rows(w, x, k, n_rows, tiny, r0, r1, dst)
+    rows(j, r0, r1)
 }
 
 /// Little-endian values of `T` in `bytes`: borrowed when aligned (GGUF tensor data is),
@@ -193,7 +175,7 @@ pub fn matmul_float(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, x: &[f32], out
     let k = w.n_cols;
     let n_tok = x.len() / k;
     let n_rows = w.n_rows;
-    let tiny = n_tok >= 2 && k % 16 == 0 && n_rows % 4 == 0;
+    let tiny = n_tok >= 2 && k.is_multiple_of(16) && n_rows.is_multiple_of(4);
     let dst = SendPtr(out.as_mut_ptr());
     let n_tasks = (pool.n_threads() * 4).min(n_rows.div_ceil(16)).max(1);
     let per = n_rows.div_ceil(n_tasks);
@@ -202,16 +184,30 @@ pub fn matmul_float(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, x: &[f32], out
             let wv = cast::<u16>(w.data);
             let mut xv = vec![0u16; x.len()];
             f32_to_f16_row(x, &mut xv);
+            let job = Job {
+                w: &wv,
+                x: &xv,
+                k,
+                n_rows,
+                tiny,
+                dst,
+            };
             pool.run(n_tasks, &|task| {
-                let (r0, r1) = (task * per, ((task + 1) * per).min(n_rows));
-                rows_isa(isa, &wv, &xv, k, n_rows, tiny, r0, r1, dst);
+                rows_isa(isa, job, task * per, ((task + 1) * per).min(n_rows));
             });
         }
         _ => {
             let wv = cast::<f32>(w.data);
+            let job = Job {
+                w: &wv,
+                x,
+                k,
+                n_rows,
+                tiny,
+                dst,
+            };
             pool.run(n_tasks, &|task| {
-                let (r0, r1) = (task * per, ((task + 1) * per).min(n_rows));
-                rows_isa(isa, &wv, x, k, n_rows, tiny, r0, r1, dst);
+                rows_isa(isa, job, task * per, ((task + 1) * per).min(n_rows));
             });
         }
     }

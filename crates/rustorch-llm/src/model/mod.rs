@@ -501,6 +501,10 @@ pub struct Runtime {
     /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph,
     /// for comparing intermediate tensors with llama.cpp's `llama-eval-callback`.
     pub tensor_hook: Option<TensorHook>,
+    /// Reproduce a llama.cpp build with (`Some(true)`) or without (`Some(false)`)
+    /// AVX512-FP16 in attention's f16 accumulator; `None` follows this CPU (tests compare
+    /// with fixtures recorded on either kind of machine).
+    pub native_f16: Option<bool>,
 }
 
 impl Runtime {
@@ -510,6 +514,7 @@ impl Runtime {
             reference: false,
             dump_layers: false,
             tensor_hook: None,
+            native_f16: None,
         }
     }
 }
@@ -673,6 +678,9 @@ impl Model {
                     rt.reference,
                     rt.tensor_hook.as_ref(),
                 );
+                if let Some(native) = rt.native_f16 {
+                    be = be.with_native_f16(native);
+                }
                 // Buffers are reused from call to call (a concurrent call gets fresh ones).
                 let mut own = None;
                 let mut guard = ws.try_lock();
