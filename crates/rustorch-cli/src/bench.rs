@@ -64,6 +64,8 @@ pub struct Args {
     /// Skip the warm-up run before each test
     #[arg(long = "no-warmup")]
     pub no_warmup: bool,
+    #[command(flatten)]
+    pub device: common::DeviceArgs,
     /// Print progress to stderr
     #[arg(long = "progress")]
     pub progress: bool,
@@ -90,6 +92,10 @@ struct ModelInfo {
     peak_rss: u64,
     file_size: u64,
     kv_bytes_per_cell: u64,
+    /// `CPU` or `CUDA`, the GPU's name, and the layers on it (llama-bench's fields).
+    backend: &'static str,
+    gpu_info: String,
+    n_gpu_layers: usize,
 }
 
 impl TestResult {
@@ -258,11 +264,17 @@ impl Lcg {
     }
 }
 
-fn load_model(path: &Path) -> anyhow::Result<(Model, ModelInfo)> {
+fn load_model(
+    path: &Path,
+    dev: &common::DeviceArgs,
+    n_ctx: usize,
+) -> anyhow::Result<(Model, ModelInfo)> {
     let t0 = Instant::now();
     let gguf =
         Arc::new(GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?);
-    let model = Model::load(gguf.clone()).context("loading the model")?;
+    let hp = rustorch_llm::HParams::from_gguf(&gguf).context("loading the model")?;
+    let placement = dev.placement(hp.n_layer)?;
+    let model = Model::load_on(gguf.clone(), placement, n_ctx).context("loading the model")?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let hp = model.hparams();
     let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
@@ -282,6 +294,13 @@ fn load_model(path: &Path) -> anyhow::Result<(Model, ModelInfo)> {
         file_size: gguf.file_size(),
         // K and V, f16, per layer
         kv_bytes_per_cell: (hp.n_layer * hp.kv_dim() * 2 * 2) as u64,
+        backend: model.backend_name(),
+        gpu_info: model.gpu_name().unwrap_or_default(),
+        n_gpu_layers: if model.gpu_name().is_some() {
+            hp.n_layer
+        } else {
+            0
+        },
     };
     Ok((model, info))
 }
@@ -347,8 +366,8 @@ fn to_json(r: &TestResult, cpu: &str) -> Value {
         "build_commit": env!("CARGO_PKG_VERSION"),
         "build_number": 0,
         "cpu_info": cpu,
-        "gpu_info": "",
-        "backends": "CPU",
+        "gpu_info": r.model.gpu_info,
+        "backends": r.model.backend,
         "model_filename": r.model.filename,
         "model_type": r.model.model_type,
         "model_size": r.model.size,
@@ -358,7 +377,7 @@ fn to_json(r: &TestResult, cpu: &str) -> Value {
         "n_threads": r.n_threads,
         "type_k": "f16",
         "type_v": "f16",
-        "n_gpu_layers": 0,
+        "n_gpu_layers": r.model.n_gpu_layers,
         "flash_attn": true,
         "n_prompt": r.n_prompt,
         "n_gen": r.n_gen,
@@ -405,7 +424,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut results: Vec<TestResult> = Vec::new();
     let mut printed_header = false;
     for path in &models {
-        let (model, mut info) = load_model(path)?;
+        let longest =
+            args.n_prompt.iter().max().unwrap_or(&0) + args.n_gen.iter().max().unwrap_or(&0);
+        let n_ctx = longest * args.parallel.iter().max().unwrap_or(&1);
+        let (model, mut info) = load_model(path, &args.device, n_ctx.max(1))?;
         let mut tests: Vec<(usize, usize)> = Vec::new();
         tests.extend(args.n_prompt.iter().filter(|&&p| p > 0).map(|&p| (p, 0)));
         tests.extend(args.n_gen.iter().filter(|&&g| g > 0).map(|&g| (0, g)));
@@ -450,10 +472,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             for r in &results[first..] {
                 let (m, sd) = mean_sd(&r.samples_ts());
                 println!(
-                    "| {} | {:.2} MiB | {} | CPU | {} | {} | {:.2} ± {:.2} |",
+                    "| {} | {:.2} MiB | {} | {} | {} | {} | {:.2} ± {:.2} |",
                     r.model.model_type,
                     r.model.size as f64 / (1024.0 * 1024.0),
                     human_params(r.model.n_params),
+                    r.model.backend,
                     r.n_threads,
                     r.name(),
                     m,

@@ -29,6 +29,8 @@ pub struct Args {
     /// Threads (default: physical cores)
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub device: common::DeviceArgs,
     /// Most tokens per reply (-1 = until end of turn or context)
     #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_hyphen_values = true)]
     pub n_predict: i64,
@@ -228,7 +230,7 @@ impl Chat<'_> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     common::init_logging(args.verbose);
     let path = common::resolve_model(args.model.as_deref())?;
-    let loaded = common::load(&path)?;
+    let loaded = common::load(&path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_ctx = common::ctx_size(args.ctx_size, model);
     let template = common::chat_template(

@@ -12,7 +12,7 @@ use rustorch_core::kernels::physical_cores;
 use rustorch_llm::chat::ChatTemplate;
 use rustorch_llm::sampler::SamplerParams;
 use rustorch_llm::tokenizer::Tokenizer;
-use rustorch_llm::Model;
+use rustorch_llm::{Model, Placement};
 
 /// The model used when `-m` is not given.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -39,6 +39,59 @@ pub fn resolve_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// Where the model runs (run, chat, serve, bench, perplexity).
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// auto (the GPU when there is one), cpu, cuda or cuda:N
+    #[arg(long = "device", default_value = "auto")]
+    pub device: String,
+    /// Layers on the GPU, as llama.cpp's -ngl: 0 = all on the CPU, the layer count or more
+    /// = all on the GPU (a split is not supported yet)
+    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers")]
+    pub n_gpu_layers: Option<usize>,
+}
+
+impl DeviceArgs {
+    /// The placement these flags ask for, for a model of `n_layer` layers. `auto` without a
+    /// usable GPU is the CPU; an explicit `cuda` without one is an error naming what is
+    /// missing.
+    pub fn placement(&self, n_layer: usize) -> anyhow::Result<Placement> {
+        let d = self.device.trim().to_ascii_lowercase();
+        let explicit = match d.as_str() {
+            "auto" => None,
+            "cpu" => Some(Placement::Cpu),
+            "cuda" | "gpu" => Some(Placement::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => Some(Placement::Cuda(n.parse().with_context(|| {
+                    format!("--device {other}: '{n}' is not a device index")
+                })?)),
+                None => bail!("--device {other}: expected auto, cpu, cuda or cuda:N"),
+            },
+        };
+        match self.n_gpu_layers {
+            Some(0) => {
+                if matches!(explicit, Some(Placement::Cuda(_))) {
+                    bail!("--device {d} with -ngl 0: nothing would run on the GPU");
+                }
+                return Ok(Placement::Cpu);
+            }
+            Some(n) if n < n_layer => bail!(
+                "-ngl {n}: splitting layers between GPU and CPU is not supported yet; use \
+                 -ngl 0 (CPU) or -ngl {n_layer} or more (all {n_layer} layers on the GPU)"
+            ),
+            _ => {}
+        }
+        match explicit {
+            Some(p) => Ok(p),
+            None if self.n_gpu_layers.is_some() => Ok(Placement::Cuda(0)),
+            None => Ok(match rustorch_cuda::device_count() {
+                Ok(n) if n > 0 => Placement::Cuda(0),
+                _ => Placement::Cpu,
+            }),
+        }
+    }
+}
+
 /// A model, its vocabulary and how long loading took.
 pub struct Loaded {
     pub gguf: Arc<GgufFile>,
@@ -47,8 +100,10 @@ pub struct Loaded {
     pub load_time: Duration,
 }
 
-/// Opens, maps and checks the model, with a spinner on stderr when it is a terminal.
-pub fn load(path: &Path) -> anyhow::Result<Loaded> {
+/// Opens, maps and checks the model, with a spinner on stderr when it is a terminal, on the
+/// device `dev` asks for (`None`: the CPU); `n_ctx` sizes the check that it fits. On a GPU,
+/// says on stderr where the model runs and what it takes.
+pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Result<Loaded> {
     let t0 = Instant::now();
     let spinner = std::io::stderr().is_terminal().then(|| {
         let s = indicatif::ProgressBar::new_spinner();
@@ -61,7 +116,29 @@ pub fn load(path: &Path) -> anyhow::Result<Loaded> {
             GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?,
         );
         let tokenizer = Tokenizer::from_gguf(&gguf).context("reading the vocabulary")?;
-        let model = Model::load(gguf.clone()).context("loading the model")?;
+        let placement = match dev {
+            Some(d) => {
+                let hp = rustorch_llm::HParams::from_gguf(&gguf).context("loading the model")?;
+                let n_ctx = if n_ctx == 0 { hp.n_ctx_train } else { n_ctx };
+                (d.placement(hp.n_layer)?, n_ctx)
+            }
+            None => (Placement::Cpu, 0),
+        };
+        let model =
+            Model::load_on(gguf.clone(), placement.0, placement.1).context("loading the model")?;
+        if model.backend_name() != "CPU" {
+            let hp = model.hparams();
+            let mib = |b: f64| b / (1024.0 * 1024.0);
+            let weights: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+            let kv = (placement.1 * hp.n_layer * hp.kv_dim() * 4) as f64;
+            eprintln!(
+                "device: {}; weights {:.1} MiB, KV cache {:.1} MiB ({} cells, f16)",
+                model.device_description(),
+                mib(weights as f64),
+                mib(kv),
+                placement.1
+            );
+        }
         Ok(Loaded {
             gguf,
             model,
@@ -242,6 +319,7 @@ pub fn expand_llama_aliases(args: impl Iterator<Item = String>) -> Vec<String> {
             "-no-cnv" => "--no-conversation",
             "-st" => "--single-turn",
             "-fa" => "--flash-attn",
+            "-ngl" => "--n-gpu-layers",
             _ => return a,
         }
         .to_string()

@@ -28,13 +28,15 @@ pub struct Args {
     /// Threads (default: physical cores)
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub device: common::DeviceArgs,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read '{}'", args.file.display()))?;
     let path = common::resolve_model(args.model.as_deref())?;
-    let loaded = common::load(&path)?;
+    let loaded = common::load(&path, Some(&args.device), args.ctx_size)?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_ctx = args.ctx_size;
     if n_ctx < 8 {

@@ -32,6 +32,8 @@ pub struct Args {
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
     #[command(flatten)]
+    pub device: common::DeviceArgs,
+    #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Stop when this text appears (repeatable); it is not printed
     #[arg(short = 'r', long = "reverse-prompt")]
@@ -81,7 +83,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None) => bail!("no prompt: give -p TEXT or -f FILE"),
     };
     let path = common::resolve_model(args.model.as_deref())?;
-    let loaded = common::load(&path)?;
+    let loaded = common::load(&path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_ctx = common::ctx_size(args.ctx_size, model);
 

@@ -14,7 +14,7 @@ pub mod nvrtc;
 pub mod probe;
 
 pub use backend::{Cuda, CudaAngles};
-pub use device::{CudaDevice, DeviceInfo, GpuVec, ModuleInfo};
+pub use device::{device_count, CudaDevice, DeviceInfo, GpuVec, ModuleInfo};
 pub use error::CudaError;
 pub use kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
 

@@ -13,4 +13,4 @@ pub mod tokenizer;
 
 pub use batch::{Batch, SeqId};
 pub use kv_cache::{KvCache, KvCacheError};
-pub use model::{Arch, ForwardOutput, HParams, Model, ModelError, Runtime};
+pub use model::{Arch, ForwardOutput, HParams, Model, ModelError, Placement, Runtime};

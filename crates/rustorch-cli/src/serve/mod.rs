@@ -68,6 +68,8 @@ pub struct Args {
     /// Threads (default: physical cores)
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub device: common::DeviceArgs,
     /// Built-in chat template (chatml, llama2, llama3, zephyr, mistral, gemma, phi3) or a file
     #[arg(long = "chat-template")]
     pub chat_template: Option<String>,
@@ -183,6 +185,7 @@ async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Resul
             queue_size: args.queue_size,
             share_prefixes: !args.no_prefix_sharing,
             threads: args.threads,
+            device: args.device.clone(),
             chat_template: args.chat_template.clone(),
             chat_template_file: args.chat_template_file.clone(),
             delay: Duration::from_millis(args.debug_load_delay_ms.unwrap_or(0)),
@@ -271,6 +274,7 @@ struct LoadArgs {
     queue_size: Option<usize>,
     share_prefixes: bool,
     threads: Option<usize>,
+    device: common::DeviceArgs,
     chat_template: Option<String>,
     chat_template_file: Option<PathBuf>,
     delay: Duration,
@@ -278,7 +282,7 @@ struct LoadArgs {
 
 fn load(path: &std::path::Path, args: &LoadArgs) -> anyhow::Result<Ready> {
     std::thread::sleep(args.delay);
-    let loaded = common::load(path)?;
+    let loaded = common::load(path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let template = common::chat_template(
         &loaded.gguf,
         args.chat_template.as_deref(),

@@ -18,6 +18,7 @@ use rustorch_core::quant::{self, QuantError};
 use rustorch_core::GgmlType;
 
 use ops::{Io, Step, Workspace};
+use rustorch_cuda::{Cuda, CudaAngles, CudaDevice, GpuVec};
 
 use crate::batch::Batch;
 use crate::kv_cache::{KvCache, KvCacheError};
@@ -139,6 +140,27 @@ pub enum ModelError {
     Quant(#[from] QuantError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error(transparent)]
+    Cuda(#[from] rustorch_cuda::CudaError),
+    #[error(
+        "the model does not fit on {device}: its weights take {need_mib:.1} MiB and the KV cache \
+         up to {kv_mib:.1} MiB, but {free_mib:.1} MiB of {total_mib:.1} MiB are free"
+    )]
+    DoesNotFit {
+        device: String,
+        need_mib: f64,
+        kv_mib: f64,
+        free_mib: f64,
+        total_mib: f64,
+    },
+}
+
+/// Where a model's weights live and its forward pass runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Cpu,
+    /// GPU `N` through the CUDA backend.
+    Cuda(usize),
 }
 
 /// Reads weights by name, checking shape and type.
@@ -551,11 +573,15 @@ impl<D: Device> Graph<D> {
 
 /// The model on its device, with the activation workspace kept between calls.
 enum Placed {
-    Cpu {
-        dev: CpuDevice,
-        graph: Graph<CpuDevice>,
-        ws: Mutex<Workspace<Vec<f32>, CpuAngles>>,
-    },
+    Cpu(Box<On<CpuDevice, Vec<f32>, CpuAngles>>),
+    Cuda(Box<On<CudaDevice, GpuVec<f32>, CudaAngles>>),
+}
+
+/// A device, the graph's weights on it and the activation workspace.
+struct On<D: Device, Buf, Ang> {
+    dev: D,
+    graph: Graph<D>,
+    ws: Mutex<Workspace<Buf, Ang>>,
 }
 
 /// A loaded model: hyper-parameters plus weights borrowed from the memory-mapped GGUF.
@@ -570,24 +596,112 @@ pub struct Model {
 impl Model {
     /// Builds the model described by `gguf`'s metadata, on the CPU.
     pub fn load(gguf: Arc<GgufFile>) -> Result<Self, ModelError> {
+        Self::load_on(gguf, Placement::Cpu, 0)
+    }
+
+    /// Builds the model on `placement`; `n_ctx` (the KV cache the caller will make) only
+    /// enters the check that the model fits on a GPU.
+    pub fn load_on(
+        gguf: Arc<GgufFile>,
+        placement: Placement,
+        n_ctx: usize,
+    ) -> Result<Self, ModelError> {
         let hp = HParams::from_gguf(&gguf)?;
-        let dev = CpuDevice::default();
-        let ld = Loader {
+        let rope_freqs = Loader {
             gguf: &gguf,
-            dev: &dev,
+            dev: &CpuDevice::default(),
+        }
+        .optional_vector("rope_freqs.weight", hp.rope.n_rot / 2)?;
+        let placed = match placement {
+            Placement::Cpu => {
+                let dev = CpuDevice::default();
+                let graph = Graph::load(
+                    &Loader {
+                        gguf: &gguf,
+                        dev: &dev,
+                    },
+                    &hp,
+                )?;
+                Placed::Cpu(Box::new(On {
+                    dev,
+                    graph,
+                    ws: Mutex::new(Workspace::default()),
+                }))
+            }
+            Placement::Cuda(index) => {
+                let dev = CudaDevice::open(index)?;
+                let (free, total) = dev.mem_info()?;
+                let weights: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+                let kv = (n_ctx * hp.n_layer * hp.kv_dim() * 2 * 2) as f64;
+                let mib = |b: f64| b / (1024.0 * 1024.0);
+                // leave room for activations and the kernels' scratch
+                if weights as f64 + kv + 256.0 * 1024.0 * 1024.0 > free as f64 {
+                    return Err(ModelError::DoesNotFit {
+                        device: format!("CUDA{index} ({})", dev.info.name),
+                        need_mib: mib(weights as f64),
+                        kv_mib: mib(kv),
+                        free_mib: mib(free as f64),
+                        total_mib: mib(total as f64),
+                    });
+                }
+                let graph = Graph::load(
+                    &Loader {
+                        gguf: &gguf,
+                        dev: &dev,
+                    },
+                    &hp,
+                )?;
+                Placed::Cuda(Box::new(On {
+                    dev,
+                    graph,
+                    ws: Mutex::new(Workspace::default()),
+                }))
+            }
         };
-        let graph = Graph::load(&ld, &hp)?;
-        let rope_freqs = ld.optional_vector("rope_freqs.weight", hp.rope.n_rot / 2)?;
         Ok(Model {
             hp,
             rope_freqs,
-            placed: Placed::Cpu {
-                dev,
-                graph,
-                ws: Mutex::new(Workspace::default()),
-            },
+            placed,
             gguf,
         })
+    }
+
+    /// Where the model runs, for start-up messages: `CPU`, or `CUDA0 (NVIDIA H100 80GB
+    /// HBM3, 79.2 GiB free of 79.6 GiB)`.
+    pub fn device_description(&self) -> String {
+        match &self.placed {
+            Placed::Cpu(_) => "CPU".to_string(),
+            Placed::Cuda(c) => {
+                let dev = &c.dev;
+                let gib = |b: usize| b as f64 / (1024.0 * 1024.0 * 1024.0);
+                match dev.mem_info() {
+                    Ok((free, total)) => format!(
+                        "CUDA{} ({}, {:.1} GiB free of {:.1} GiB)",
+                        dev.info.index,
+                        dev.info.name,
+                        gib(free),
+                        gib(total)
+                    ),
+                    Err(_) => format!("CUDA{} ({})", dev.info.index, dev.info.name),
+                }
+            }
+        }
+    }
+
+    /// The backend name llama-bench prints: `CPU` or `CUDA`.
+    pub fn backend_name(&self) -> &'static str {
+        match &self.placed {
+            Placed::Cpu(_) => "CPU",
+            Placed::Cuda(_) => "CUDA",
+        }
+    }
+
+    /// The GPU's name when the model runs on one.
+    pub fn gpu_name(&self) -> Option<String> {
+        match &self.placed {
+            Placed::Cpu(_) => None,
+            Placed::Cuda(c) => Some(c.dev.info.name.clone()),
+        }
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -670,7 +784,8 @@ impl Model {
             stats: Vec::new(),
         };
         match &self.placed {
-            Placed::Cpu { dev, graph, ws } => {
+            Placed::Cpu(c) => {
+                let (dev, graph, ws) = (&c.dev, &c.graph, &c.ws);
                 let mut be = Cpu::new(
                     dev,
                     self.gguf.bytes(),
@@ -689,6 +804,19 @@ impl Model {
                     Err(_) => own.insert(Workspace::default()),
                 };
                 graph.forward(Step { be: &mut be, w, io })
+            }
+            Placed::Cuda(c) => {
+                let (dev, graph, ws) = (&c.dev, &c.graph, &c.ws);
+                let mut be = Cuda::new(dev, rt.tensor_hook.as_ref());
+                let mut own = None;
+                let mut guard = ws.try_lock();
+                let w = match guard {
+                    Ok(ref mut g) => &mut **g,
+                    Err(_) => own.insert(Workspace::default()),
+                };
+                let out = graph.forward(Step { be: &mut be, w, io })?;
+                be.finish()?;
+                Ok(out)
             }
         }
     }

@@ -7,8 +7,13 @@ use std::sync::Arc;
 use rustorch_core::gguf::GgufFile;
 use rustorch_llm::{Batch, Model, Runtime};
 
+/// The repository root: `RUSTORCH_ROOT`, or where this crate was built (a test binary
+/// carried to another machine is pointed at its copy of the repository).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    match std::env::var_os("RUSTORCH_ROOT") {
+        Some(r) => PathBuf::from(r),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."),
+    }
 }
 
 pub fn model_path(file: &str) -> PathBuf {

@@ -1,0 +1,189 @@
+//! The CUDA backend against our CPU backend on real weights: teacher-forced along the CPU's
+//! greedy continuation (8 prompts × 64 steps), the KL divergence of the GPU's distribution
+//! from the CPU's and how often the top token agrees; and free-running greedy 32-token
+//! continuations. Skips (with a line saying so) where no GPU is usable.
+//!
+//! Models: SmolLM2 (the parity fixture's prompts), and every GGUF named in
+//! `RUSTORCH_GPU_MODELS` (comma-separated paths) with the same prompts' text re-tokenized.
+
+mod common;
+
+use std::sync::Arc;
+
+use rustorch_core::gguf::GgufFile;
+use rustorch_llm::tokenizer::Tokenizer;
+use rustorch_llm::{Batch, KvCache, Model, Placement, Runtime};
+use serde_json::Value;
+
+use common::{argmax, logsumexp, root};
+
+const STEPS: usize = 64;
+const GREEDY: usize = 32;
+
+struct Report {
+    mean_kl: f64,
+    max_kl: f64,
+    top1: f64,
+    greedy_equal: usize,
+    prompts: usize,
+}
+
+fn prompt_logits(model: &Model, tokens: &[u32], cache: &mut KvCache, rt: &Runtime) -> Vec<f32> {
+    let nv = model.hparams().n_vocab;
+    model
+        .forward(&Batch::from_prompt(tokens, 0, 0, false), cache, rt)
+        .expect("prompt")
+        .last(nv)
+        .expect("logits")
+        .to_vec()
+}
+
+fn step(model: &Model, tok: u32, pos: usize, cache: &mut KvCache, rt: &Runtime) -> Vec<f32> {
+    let nv = model.hparams().n_vocab;
+    let mut b = Batch::new();
+    b.push(tok, pos as u32, 0, true);
+    model
+        .forward(&b, cache, rt)
+        .expect("decode")
+        .last(nv)
+        .expect("logits")
+        .to_vec()
+}
+
+fn kl(p: &[f32], q: &[f32]) -> f64 {
+    let (lp, lq) = (logsumexp(p), logsumexp(q));
+    p.iter()
+        .zip(q)
+        .map(|(&a, &b)| {
+            let la = a as f64 - lp;
+            la.exp() * (la - (b as f64 - lq))
+        })
+        .sum()
+}
+
+fn compare(cpu: &Model, gpu: &Model, prompts: &[Vec<u32>]) -> Report {
+    let rt = Runtime::new(std::thread::available_parallelism().map_or(2, |n| n.get()));
+    let (mut kl_sum, mut kl_max, mut agree, mut n, mut greedy_equal) = (0f64, 0f64, 0, 0, 0);
+    for tokens in prompts {
+        let np = tokens.len();
+        let ctx = np + STEPS + 1;
+        // the CPU's greedy continuation and its logits
+        let mut cc = cpu.new_cache(ctx);
+        let mut logits = prompt_logits(cpu, tokens, &mut cc, &rt);
+        let mut cpu_steps = Vec::new();
+        let mut cpu_toks = Vec::new();
+        for s in 0..STEPS {
+            let t = argmax(&logits) as u32;
+            cpu_toks.push(t);
+            cpu_steps.push(logits);
+            logits = step(cpu, t, np + s, &mut cc, &rt);
+        }
+        // the GPU fed the same tokens
+        let mut gc = gpu.new_cache(ctx);
+        let mut g = prompt_logits(gpu, tokens, &mut gc, &rt);
+        for s in 0..STEPS {
+            let k = kl(&cpu_steps[s], &g);
+            kl_sum += k;
+            kl_max = kl_max.max(k);
+            agree += usize::from(argmax(&g) == argmax(&cpu_steps[s]));
+            n += 1;
+            g = step(gpu, cpu_toks[s], np + s, &mut gc, &rt);
+        }
+        // the GPU's own greedy continuation
+        let mut gc = gpu.new_cache(ctx);
+        let mut g = prompt_logits(gpu, tokens, &mut gc, &rt);
+        let mut own = Vec::new();
+        for s in 0..GREEDY {
+            let t = argmax(&g) as u32;
+            own.push(t);
+            g = step(gpu, t, np + s, &mut gc, &rt);
+        }
+        greedy_equal += usize::from(own[..] == cpu_toks[..GREEDY]);
+    }
+    Report {
+        mean_kl: kl_sum / n as f64,
+        max_kl: kl_max,
+        top1: agree as f64 / n as f64,
+        greedy_equal,
+        prompts: prompts.len(),
+    }
+}
+
+fn open(path: &std::path::Path) -> Option<(Model, Model, Tokenizer)> {
+    if !path.exists() {
+        eprintln!("SKIPPED: {} is absent", path.display());
+        return None;
+    }
+    let gguf = Arc::new(GgufFile::open(path).expect("open"));
+    let gpu = match Model::load_on(gguf.clone(), Placement::Cuda(0), 1024) {
+        Ok(m) => m,
+        Err(e) => {
+            // written past the test harness's capture, so a CPU-only run shows it
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: GPU tests: no usable GPU: {e}");
+            return None;
+        }
+    };
+    let cpu = Model::load(gguf.clone()).expect("cpu");
+    let tok = Tokenizer::from_gguf(&gguf).expect("tokenizer");
+    Some((cpu, gpu, tok))
+}
+
+fn fixture_prompts() -> Vec<(String, Vec<u32>)> {
+    let path = root().join("tests/fixtures/parity/smollm2.json");
+    let doc: Value = serde_json::from_slice(&std::fs::read(path).expect("fixture")).expect("json");
+    doc["cases"].as_array().expect("cases")[..8]
+        .iter()
+        .map(|c| {
+            let toks = c["tokens"]
+                .as_array()
+                .expect("tokens")
+                .iter()
+                .map(|t| t.as_u64().expect("id") as u32)
+                .collect();
+            (c["prompt"].as_str().unwrap_or("").to_string(), toks)
+        })
+        .collect()
+}
+
+fn check(name: &str, r: &Report) {
+    eprintln!(
+        "{name}: GPU vs CPU over {} prompts × {STEPS} steps: mean KL {:.2e}, max KL {:.2e}, top-1 {:.2}%, greedy {GREEDY} tokens equal in {}/{}",
+        r.prompts,
+        r.mean_kl,
+        r.max_kl,
+        100.0 * r.top1,
+        r.greedy_equal,
+        r.prompts
+    );
+    assert!(r.mean_kl <= 1e-3, "{name}: mean KL {}", r.mean_kl);
+    assert!(r.top1 >= 0.98, "{name}: top-1 agreement {}", r.top1);
+}
+
+#[test]
+fn gpu_matches_cpu() {
+    let prompts = fixture_prompts();
+    let smol = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if let Some((cpu, gpu, _)) = open(&smol) {
+        let toks: Vec<Vec<u32>> = prompts.iter().map(|p| p.1.clone()).collect();
+        let r = compare(&cpu, &gpu, &toks);
+        check("SmolLM2-135M Q4_1", &r);
+        assert!(
+            r.greedy_equal >= 7,
+            "SmolLM2: greedy equal in {} of 8",
+            r.greedy_equal
+        );
+    }
+    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
+    for path in extra.split(',').filter(|p| !p.is_empty()) {
+        let path = std::path::PathBuf::from(path);
+        if let Some((cpu, gpu, tok)) = open(&path) {
+            let toks: Vec<Vec<u32>> = prompts
+                .iter()
+                .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
+                .collect();
+            let r = compare(&cpu, &gpu, &toks);
+            check(&path.display().to_string(), &r);
+        }
+    }
+}
