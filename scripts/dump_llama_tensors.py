@@ -7,6 +7,7 @@ the first operation where rustorch and llama.cpp part, element by element.
 
 LLAMA_CPP_LIB_PATH=~/.cache/rustorch/lcpp-build/bin PYTHONPATH=~/.cache/rustorch/llama_cpp_python-0.3.36 \
   python3 scripts/dump_llama_tensors.py MODEL OUT.npz ID [ID ...]
+  python3 scripts/dump_llama_tensors.py MODEL OUT_DIR ID [ID ...]   # for `rustorch diff --b dir:OUT_DIR`
 """
 import ctypes
 import os
@@ -79,7 +80,13 @@ def main():
     batch.n_tokens = len(ids)
     if llama_cpp.llama_decode(ctx, batch) != 0:
         sys.exit("llama_decode failed")
-    np.savez(out, **tensors)
+    if out.endswith(".npz"):
+        np.savez(out, **tensors)
+    else:
+        # a folder of NAME.f32 files (little-endian), for `rustorch diff --b dir:OUT`
+        os.makedirs(out, exist_ok=True)
+        for name, arr in tensors.items():
+            arr.astype("<f4").tofile(os.path.join(out, f"{name}.f32"))
     print(f"{len(tensors)} tensors -> {out}", file=sys.stderr)
 
 

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod chat;
 mod common;
+mod diff;
 mod inspect;
 mod perplexity;
 mod quantize;
@@ -43,6 +44,9 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Print a GGUF file's metadata, tensors and architecture summary
     Inspect(inspect::Args),
+    /// Run one prompt through two backends (or against a llama.cpp dump) and name the
+    /// first operation whose output differs past a tolerance
+    Diff(diff::Args),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Command::Quantize(a) => quantize::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Diff(a) => diff::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -108,8 +108,8 @@ impl<D: Device> Gemma<D> {
         let Step { be, w, mut io } = st;
         let hp = io.hp;
         let n_layer = self.layers.len();
-        be.rope_angles(&hp.rope, io.rows.positions, None, &mut w.angles);
-        be.rope_angles(&hp.rope_swa, io.rows.positions, None, &mut w.angles_swa);
+        be.rope_angles(&hp.rope, io.rope_pos, None, &mut w.angles);
+        be.rope_angles(&hp.rope_swa, io.rope_pos, None, &mut w.angles_swa);
 
         // x = embed(tokens) · √n_embd
         be.embed(&self.tok_embd, io.tokens, &mut w.x)?;

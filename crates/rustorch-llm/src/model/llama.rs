@@ -132,7 +132,7 @@ impl<D: Device> Llama<D> {
         let n_layer = self.layers.len();
         be.rope_angles(
             &hp.rope,
-            io.rows.positions,
+            io.rope_pos,
             self.rope_freqs.as_ref(),
             &mut w.angles,
         );

@@ -527,6 +527,15 @@ pub struct Runtime {
     /// AVX512-FP16 in attention's f16 accumulator; `None` follows this CPU (tests compare
     /// with fixtures recorded on either kind of machine).
     pub native_f16: Option<bool>,
+    /// A bug planted on purpose, for testing the tools that must find it (`rustorch diff`).
+    pub fault: Option<Fault>,
+}
+
+/// Bugs [`Runtime::fault`] can plant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// RoPE rotates every token as if it were one position later.
+    RopeOffByOne,
 }
 
 impl Runtime {
@@ -537,6 +546,7 @@ impl Runtime {
             dump_layers: false,
             tensor_hook: None,
             native_f16: None,
+            fault: None,
         }
     }
 }
@@ -769,9 +779,18 @@ impl Model {
         let cells: Vec<usize> = (0..n)
             .map(|i| cache.add_cell(batch.seq_ids[i], batch.positions[i]))
             .collect();
+        let shifted: Vec<u32>;
+        let rope_pos = match rt.fault {
+            Some(Fault::RopeOffByOne) => {
+                shifted = batch.positions.iter().map(|&p| p + 1).collect();
+                &shifted[..]
+            }
+            None => &batch.positions[..],
+        };
         let io = Io {
             hp: &self.hp,
             tokens: &batch.tokens,
+            rope_pos,
             rows: Rows {
                 positions: &batch.positions,
                 seq_ids: &batch.seq_ids,

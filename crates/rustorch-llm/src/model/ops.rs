@@ -33,6 +33,8 @@ pub(crate) struct Io<'s> {
     pub hp: &'s HParams,
     pub tokens: &'s [u32],
     pub rows: Rows<'s>,
+    /// The positions RoPE rotates by (the rows' positions, unless a test plants a fault).
+    pub rope_pos: &'s [u32],
     pub cache: &'s mut KvCache,
     /// The cache cell of each batch row.
     pub cells: &'s [usize],

@@ -86,7 +86,7 @@ impl<D: Device> Phi3<D> {
         let n_layer = self.layers.len();
         be.rope_angles(
             &hp.rope,
-            io.rows.positions,
+            io.rope_pos,
             self.rope_factors.as_ref(),
             &mut w.angles,
         );
