@@ -9,6 +9,7 @@ mod chat;
 mod common;
 mod diff;
 mod inspect;
+mod make_model;
 mod perplexity;
 mod quantize;
 mod run;
@@ -47,6 +48,8 @@ enum Command {
     /// Run one prompt through two backends (or against a llama.cpp dump) and name the
     /// first operation whose output differs past a tolerance
     Diff(diff::Args),
+    /// Write a llama-shaped GGUF with seeded random weights (benchmark models)
+    MakeModel(make_model::Args),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +64,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Diff(a) => diff::run(a),
+        Command::MakeModel(a) => make_model::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
