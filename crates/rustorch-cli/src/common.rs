@@ -39,6 +39,91 @@ pub fn resolve_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// llama.cpp's escape processing of prompts (`-e/--escape`, on by default): `\n \r \t \'
+/// \" \\` and `\xNN`, byte for byte as its `string_process_escapes` (an unknown escape, or
+/// `\x` without two hex digits, stays as written).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EscapeArgs {
+    /// Process escapes in the prompt (default)
+    #[arg(short = 'e', long = "escape")]
+    pub escape: bool,
+    /// Take the prompt literally
+    #[arg(long = "no-escape", conflicts_with = "escape")]
+    pub no_escape: bool,
+}
+
+impl EscapeArgs {
+    /// `text` with escapes processed unless `--no-escape`.
+    pub fn apply(&self, text: &[u8]) -> Vec<u8> {
+        if self.no_escape {
+            text.to_vec()
+        } else {
+            process_escapes(text)
+        }
+    }
+}
+
+/// The two characters after `\x` as C's `strtol(s, &end, 16)` reads them, when it reads
+/// both (leading white space, a sign, hex digits): the byte value, or `None`.
+fn strtol_hex2(s: [u8; 2]) -> Option<u8> {
+    let mut i = 0;
+    while i < 2 && matches!(s[i], b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r') {
+        i += 1;
+    }
+    let neg = i < 2 && s[i] == b'-';
+    if i < 2 && (s[i] == b'-' || s[i] == b'+') {
+        i += 1;
+    }
+    let start = i;
+    let mut v: i64 = 0;
+    while i < 2 {
+        match (s[i] as char).to_digit(16) {
+            Some(d) => v = v * 16 + d as i64,
+            None => break,
+        }
+        i += 1;
+    }
+    if i == start || i != 2 {
+        return None;
+    }
+    Some((if neg { -v } else { v }) as u8)
+}
+
+/// llama.cpp's `string_process_escapes`.
+pub fn process_escapes(input: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(input.len());
+    let n = input.len();
+    let mut i = 0;
+    while i < n {
+        if input[i] == b'\\' && i + 1 < n {
+            i += 1;
+            match input[i] {
+                b'n' => out.push(b'\n'),
+                b'r' => out.push(b'\r'),
+                b't' => out.push(b'\t'),
+                b'\'' => out.push(b'\''),
+                b'"' => out.push(b'"'),
+                b'\\' => out.push(b'\\'),
+                b'x' if i + 2 < n => match strtol_hex2([input[i + 1], input[i + 2]]) {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.extend_from_slice(b"\\x"),
+                },
+                c => {
+                    out.push(b'\\');
+                    out.push(c);
+                }
+            }
+        } else {
+            out.push(input[i]);
+        }
+        i += 1;
+    }
+    out
+}
+
 /// Where the model runs (run, chat, serve, bench, perplexity).
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArgs {

@@ -68,6 +68,8 @@ pub struct Args {
     /// Print the prompt's token ids to stderr before generating
     #[arg(long = "verbose-prompt")]
     pub verbose_prompt: bool,
+    #[command(flatten)]
+    pub escapes: common::EscapeArgs,
     /// Debug logging (seed, positions of every forward call)
     #[arg(long = "verbose", short = 'v')]
     pub verbose: bool,
@@ -75,19 +77,23 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     common::init_logging(args.verbose);
-    let prompt_text = match (&args.prompt, &args.file) {
+    let prompt_raw = match (&args.prompt, &args.file) {
         (Some(_), Some(_)) => bail!("give either -p or -f, not both"),
         (Some(p), None) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
             .with_context(|| format!("cannot read prompt file '{}'", f.display()))?,
         (None, None) => bail!("no prompt: give -p TEXT or -f FILE"),
     };
+    // llama.cpp's escapes (\n, \t, \xNN, ...) in the prompt and the reverse prompts
+    let unescape =
+        |s: &str| String::from_utf8_lossy(&args.escapes.apply(s.as_bytes())).into_owned();
+    let prompt_text = unescape(&prompt_raw);
     let path = common::resolve_model(args.model.as_deref())?;
     let loaded = common::load(&path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_ctx = common::ctx_size(args.ctx_size, model);
 
-    let mut stops = args.reverse_prompt.clone();
+    let mut stops: Vec<String> = args.reverse_prompt.iter().map(|r| unescape(r)).collect();
     let text = if args.chat {
         let tmpl = common::chat_template(
             &loaded.gguf,

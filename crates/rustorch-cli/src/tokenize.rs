@@ -34,6 +34,8 @@ pub struct Args {
     /// Also print the number of tokens
     #[arg(long = "show-count")]
     pub show_count: bool,
+    #[command(flatten)]
+    pub escapes: crate::common::EscapeArgs,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -52,6 +54,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .context("reading standard input")?;
         buf
     };
+    // escapes apply to -p, -f and --stdin alike, as in llama-tokenize
+    let bytes = args.escapes.apply(&bytes);
     let path = crate::common::resolve_model(args.model.as_deref())?;
     let gguf = GgufFile::open(&path)?;
     let tok = Tokenizer::from_gguf(&gguf).context("reading the vocabulary")?;
