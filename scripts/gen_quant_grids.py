@@ -15,8 +15,8 @@ How to run (re-runnable; the output is deterministic):
       [--header ~/.cache/rustorch/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/src/ggml-common.h] \
       [--out crates/rustorch-core/src/quant/grids.rs] [--check]
 
---check compares instead of writing and exits 1 if the committed file differs. Then run
-`cargo fmt --all` is not needed: the output is already rustfmt-stable.
+--check compares instead of writing and exits 1 if the committed file differs. The tables carry
+#[rustfmt::skip], so `cargo fmt` leaves the generated layout alone.
 """
 
 from __future__ import annotations
@@ -97,8 +97,6 @@ def rust_table(rust_name: str, doc: str, c_name: str, ctype: str, items: list[st
     for i in range(0, len(lits), per_line):
         lines.append("    " + ", ".join(lits[i : i + per_line]) + ",")
     body = "\n".join(lines)
-    # rustfmt keeps hand-aligned array bodies only when they fit; emit one literal per position
-    # in ggml's order, which is all that matters for the values.
     return (
         f"/// {doc}\n/// ggml: `{c_name}` ({ctype}[{len(items)}]).\n"
         f"#[rustfmt::skip]\npub static {rust_name}: [{rty}; {len(items)}] = [\n{body}\n];\n"
