@@ -1,7 +1,9 @@
 //! `quant` against ggml itself.
 //!
 //! The fixtures in `tests/fixtures/quant/` were recorded from libggml-base (llama.cpp vendored in
-//! llama-cpp-python 0.3.36) by `scripts/record_quant_fixtures.py`: shared f32 inputs (Gaussian,
+//! llama-cpp-python 0.3.36) by `scripts/record_quant_fixtures.py` (TQ1_0, TQ2_0 and MXFP4 by
+//! `scripts/record_lowbit_fixtures.py`, in the same layout; `quant_lowbit.rs` checks the rest of
+//! those files and the dequantize-only grid i-quants): shared f32 inputs (Gaussian,
 //! zeros, tiny and f16-subnormal magnitudes, outliers, one-signed, huge ranges, ties, NaN/inf,
 //! ...), and per type ggml's quantized bytes, ggml's dequantization of those bytes, and ggml's
 //! dequantization of arbitrary random block bytes. Here we require:
@@ -23,7 +25,7 @@ use rustorch_core::GgmlType;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const TYPES: [GgmlType; 17] = [
+const TYPES: [GgmlType; 20] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -41,6 +43,9 @@ const TYPES: [GgmlType; 17] = [
     GgmlType::Q8_K,
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
+    GgmlType::MXFP4,
 ];
 
 fn fixture_dir() -> PathBuf {
@@ -445,6 +450,13 @@ fn bulk_matches_ggml_digests() {
 ///   step is at most the block span `2a` over `nmax` intervals, which, taking one full step as
 ///   the bound, gives Q2_K `2a/3`, Q3_K (symmetric, 8 levels over `2a`) `2a/7`, Q4_K `2a/15`,
 ///   Q5_K `2a/31`, Q6_K (64 levels) `2a/63`; each plus the f16 scale rounding term.
+/// * TQ1_0 / TQ2_0 (`d = a`, codes -1, 0, 1): a value just under `a/2` rounds to 0, so half a
+///   step `a/2`, plus f16 rounding of `d`.
+/// * MXFP4 (`d = 2^(E - 3)` with `E = floor(log2 a)`, codes ±{0, 1, 2, 3, 4, 6, 8, 12}·d, i.e.
+///   up to `1.5·2^E`): the widest step, 1.0 → 1.5 (·2^E), costs at most `0.25·2^E <= 0.25a`,
+///   and values above `1.5·2^E` clamp to it, less than `a - 0.75a` away since `a < 2^(E+1)`:
+///   `0.25a`, with no rounding term (the scale is a power of two). Maxima below 2^-125 wrap the
+///   E8M0 byte, as in ggml, and fall under the absolute floor.
 /// * Groups with magnitude below ggml's `GROUP_MAX_EPS` (1e-15) are zeroed on purpose, so every
 ///   bound has an absolute floor of 1e-15 on top of the f16-subnormal term.
 fn error_bound(ty: GgmlType, a: f32) -> f32 {
@@ -473,6 +485,8 @@ fn bound_terms(ty: GgmlType) -> (f32, f32) {
         Q4_K => (2.0 / 15.0 + 4.0 * u, 2.0 * 15.0 * 63.0 * s),
         Q5_K => (2.0 / 31.0 + 4.0 * u, 2.0 * 31.0 * 63.0 * s),
         Q6_K => (2.0 / 63.0 + 4.0 * u, 32.0 * 128.0 * s),
+        TQ1_0 | TQ2_0 => (0.5 + u, s),
+        MXFP4 => (0.25, 0.0),
         _ => unreachable!("not a tested type"),
     }
 }
@@ -507,7 +521,12 @@ fn round_trip_error_within_bounds() {
             for (xb, yb) in case.x.chunks(block).zip(y.chunks(block)) {
                 let a = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
                 // f16 scales and mins overflow near 65504 (Q8_K's scale is an f32).
-                if a > 60000.0 && !matches!(ty, GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_K) {
+                if a > 60000.0
+                    && !matches!(
+                        ty,
+                        GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_K | GgmlType::MXFP4
+                    )
+                {
                     skipped += 1;
                     continue;
                 }

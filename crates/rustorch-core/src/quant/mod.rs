@@ -34,19 +34,36 @@
 //! * [`legacy`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 (blocks of 32)
 //! * [`kquants`]: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K (super-blocks of 256)
 //! * [`iquants`]: IQ4_NL (blocks of 32), IQ4_XS (super-blocks of 256)
+//! * [`iqgrid`]: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (super-blocks of 256 over
+//!   the lookup tables of [`grids`], generated from ggml's `ggml-common.h`); dequantization only
+//! * [`ternary`]: TQ1_0, TQ2_0 (super-blocks of 256)
+//! * [`mxfp4`]: MXFP4, blocks of 32 with a power-of-two (E8M0) scale
+//!
+//! Every format here dequantizes ([`supports_dequantize`]); all but the grid i-quants also
+//! quantize ([`supports_quantize`]). ggml's grid i-quant quantizers need an importance matrix and
+//! long searches, which this crate does not reproduce.
 //!
 //! Each block type is a `#[repr(C)]` struct with ggml's field order and size, plus byte-offset
 //! constants and `from_bytes` / `to_bytes`, so other kernels can share the layout.
 
 pub mod float;
+pub mod grids;
+pub mod iqgrid;
 pub mod iquants;
 pub mod kquants;
 pub mod legacy;
+pub mod mxfp4;
+pub mod ternary;
 
 pub use float::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_f16_row};
+pub use iqgrid::{
+    BlockIq1M, BlockIq1S, BlockIq2S, BlockIq2Xs, BlockIq2Xxs, BlockIq3S, BlockIq3Xxs,
+};
 pub use iquants::{BlockIq4Nl, BlockIq4Xs, IQ4NL_VALUES};
 pub use kquants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, QK_K};
 pub use legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1, QK};
+pub use mxfp4::{BlockMxfp4, QK_MXFP4};
+pub use ternary::{BlockTq1_0, BlockTq2_0};
 
 use crate::types::GgmlType;
 
@@ -77,17 +94,19 @@ pub enum QuantError {
     },
 }
 
-/// Whether [`dequantize`] handles `ty`.
+/// Whether [`dequantize`] handles `ty`: every format [`quantize`] handles, plus the grid
+/// i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S).
 pub fn supports_dequantize(ty: GgmlType) -> bool {
-    is_supported(ty)
+    use GgmlType::*;
+    supports_quantize(ty)
+        || matches!(
+            ty,
+            IQ1_S | IQ1_M | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S
+        )
 }
 
 /// Whether [`quantize`] handles `ty`.
 pub fn supports_quantize(ty: GgmlType) -> bool {
-    is_supported(ty)
-}
-
-fn is_supported(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
@@ -107,6 +126,9 @@ fn is_supported(ty: GgmlType) -> bool {
             | Q8_K
             | IQ4_NL
             | IQ4_XS
+            | TQ1_0
+            | TQ2_0
+            | MXFP4
     )
 }
 
@@ -157,6 +179,16 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
         Q8_K => blocks_to_f32(src, dst, |b, y| BlockQ8K::from_bytes(b).dequantize(y)),
         IQ4_NL => blocks_to_f32(src, dst, |b, y| BlockIq4Nl::from_bytes(b).dequantize(y)),
         IQ4_XS => blocks_to_f32(src, dst, |b, y| BlockIq4Xs::from_bytes(b).dequantize(y)),
+        IQ2_XXS => blocks_to_f32(src, dst, |b, y| BlockIq2Xxs::from_bytes(b).dequantize(y)),
+        IQ2_XS => blocks_to_f32(src, dst, |b, y| BlockIq2Xs::from_bytes(b).dequantize(y)),
+        IQ2_S => blocks_to_f32(src, dst, |b, y| BlockIq2S::from_bytes(b).dequantize(y)),
+        IQ3_XXS => blocks_to_f32(src, dst, |b, y| BlockIq3Xxs::from_bytes(b).dequantize(y)),
+        IQ3_S => blocks_to_f32(src, dst, |b, y| BlockIq3S::from_bytes(b).dequantize(y)),
+        IQ1_S => blocks_to_f32(src, dst, |b, y| BlockIq1S::from_bytes(b).dequantize(y)),
+        IQ1_M => blocks_to_f32(src, dst, |b, y| BlockIq1M::from_bytes(b).dequantize(y)),
+        TQ1_0 => blocks_to_f32(src, dst, |b, y| BlockTq1_0::from_bytes(b).dequantize(y)),
+        TQ2_0 => blocks_to_f32(src, dst, |b, y| BlockTq2_0::from_bytes(b).dequantize(y)),
+        MXFP4 => blocks_to_f32(src, dst, |b, y| BlockMxfp4::from_bytes(b).dequantize(y)),
         _ => return Err(QuantError::Unsupported(ty)),
     }
     Ok(())
@@ -207,6 +239,9 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q8_K => f32_to_blocks(src, dst, |x, b| *b = BlockQ8K::quantize(x).to_bytes()),
         IQ4_NL => f32_to_blocks(src, dst, |x, b| *b = BlockIq4Nl::quantize(x).to_bytes()),
         IQ4_XS => f32_to_blocks(src, dst, |x, b| *b = BlockIq4Xs::quantize(x).to_bytes()),
+        TQ1_0 => f32_to_blocks(src, dst, |x, b| *b = BlockTq1_0::quantize(x).to_bytes()),
+        TQ2_0 => f32_to_blocks(src, dst, |x, b| *b = BlockTq2_0::quantize(x).to_bytes()),
+        MXFP4 => f32_to_blocks(src, dst, |x, b| *b = BlockMxfp4::quantize(x).to_bytes()),
         _ => return Err(QuantError::Unsupported(ty)),
     }
     Ok(())
@@ -279,6 +314,16 @@ pub(crate) fn c_max(a: f32, b: f32) -> f32 {
 #[inline]
 pub(crate) fn le_u16<const N: usize>(b: &[u8; N], off: usize) -> u16 {
     u16::from_le_bytes([b[off], b[off + 1]])
+}
+
+/// Reads `M` little-endian u16 starting at `off` of a fixed-size block.
+#[inline]
+pub(crate) fn le_u16_array<const N: usize, const M: usize>(b: &[u8; N], off: usize) -> [u16; M] {
+    let mut out = [0u16; M];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = le_u16(b, off + 2 * i);
+    }
+    out
 }
 
 /// Copies `M` bytes at `off` of a fixed-size block into an array.
@@ -354,6 +399,16 @@ mod tests {
             (GgmlType::Q8_K, size_of::<BlockQ8K>()),
             (GgmlType::IQ4_NL, size_of::<BlockIq4Nl>()),
             (GgmlType::IQ4_XS, size_of::<BlockIq4Xs>()),
+            (GgmlType::IQ2_XXS, size_of::<BlockIq2Xxs>()),
+            (GgmlType::IQ2_XS, size_of::<BlockIq2Xs>()),
+            (GgmlType::IQ2_S, size_of::<BlockIq2S>()),
+            (GgmlType::IQ3_XXS, size_of::<BlockIq3Xxs>()),
+            (GgmlType::IQ3_S, size_of::<BlockIq3S>()),
+            (GgmlType::IQ1_S, size_of::<BlockIq1S>()),
+            (GgmlType::IQ1_M, size_of::<BlockIq1M>()),
+            (GgmlType::TQ1_0, size_of::<BlockTq1_0>()),
+            (GgmlType::TQ2_0, size_of::<BlockTq2_0>()),
+            (GgmlType::MXFP4, size_of::<BlockMxfp4>()),
         ];
         for (ty, size) in sizes {
             assert_eq!(ty.type_size(), size, "{ty}");
