@@ -2,7 +2,16 @@
 //! written at and, per layer, its key and value vectors (f16, like llama.cpp's default
 //! cache type). Attention looks at the cells of the query's sequence whose position is
 //! not after the query's, so the cache never needs positions to be contiguous.
+//!
+//! Where the rows live is pluggable. A cache made with [`KvCache::new`] keeps them on the
+//! host, per sequence and layer, cell after cell (the CPU attention walks them in place).
+//! One made with [`KvCache::with_store`] keeps the same bookkeeping (sequences, cells,
+//! positions, `n_ctx`) and its rows in a [`KvStore`], a pool of slots in a device's memory:
+//! every cell holds one slot, so removing cells moves no rows, copying cells copies slot
+//! rows on the device, and a context shift re-rotates keys there. Cell indices are the
+//! same either way.
 
+use std::any::Any;
 use std::collections::BTreeMap;
 
 use crate::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
@@ -13,19 +22,67 @@ pub type SeqId = u32;
 #[derive(Debug, Default, Clone)]
 pub struct SeqCells {
     pub pos: Vec<u32>,
-    /// per layer: `pos.len() * kv_dim` keys, row per cell (already rotated)
+    /// The store slot of each cell (see [`KvStore`]; bookkeeping only for a host cache).
+    pub slots: Vec<u32>,
+    /// per layer: `pos.len() * kv_dim` keys, row per cell (already rotated); empty when
+    /// the rows live in a [`KvStore`]
     pub k: Vec<Vec<u16>>,
-    /// per layer: values, row per cell
+    /// per layer: values, row per cell (empty with a [`KvStore`])
     pub v: Vec<Vec<u16>>,
 }
 
+/// Key/value rows kept outside the host cache (in a GPU's memory): for every layer, one
+/// key row and one value row (f16, `kv_dim` values) per slot. The cache decides which
+/// slot each cell holds and tells the store what to move; the store never sees cells.
+///
+/// Operations that cannot return an error keep it; the backend that reads the store
+/// reports it.
+pub trait KvStore: Send + Sync + Any {
+    /// Slots the store holds.
+    fn n_slots(&self) -> usize;
+    /// Grows to `n` slots, keeping every slot's rows.
+    fn grow(&mut self, n: usize);
+    /// For each `(src, dst)`: slot `dst`'s key and value rows of every layer become slot
+    /// `src`'s.
+    fn copy(&mut self, pairs: &[(u32, u32)]);
+    /// Re-rotates the keys of `slots` (every layer) by `delta` positions, as
+    /// [`KvCache::seq_add`]'s `rotate` does for a host cache (the store knows its model's
+    /// RoPE).
+    fn shift(&mut self, slots: &[u32], delta: i64);
+    /// Stores one slot's key and value rows of `layer`, rounded to f16.
+    fn write(&mut self, slot: u32, layer: usize, k: &[f32], v: &[f32]);
+    /// The key and value rows (f16 bits) of `slots` for `layer`, back to back.
+    fn read(&self, layer: usize, slots: &[u32]) -> (Vec<u16>, Vec<u16>);
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
 /// Key/value cache for all sequences, holding at most `n_ctx` cells in total.
-#[derive(Debug, Clone)]
 pub struct KvCache {
     n_layer: usize,
     kv_dim: usize,
     n_ctx: usize,
     seqs: BTreeMap<SeqId, SeqCells>,
+    /// Slots given back by removed cells.
+    free: Vec<u32>,
+    /// Slots `next..n_slots` were never handed out.
+    next: u32,
+    n_slots: usize,
+    /// Where the rows live when not on the host.
+    store: Option<Box<dyn KvStore>>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("n_layer", &self.n_layer)
+            .field("kv_dim", &self.kv_dim)
+            .field("n_ctx", &self.n_ctx)
+            .field("used", &self.used())
+            .field("n_slots", &self.n_slots)
+            .field("store", &self.store.is_some())
+            .finish()
+    }
 }
 
 /// Why the cache refused an operation.
@@ -42,18 +99,54 @@ pub enum KvCacheError {
 }
 
 impl KvCache {
+    /// A cache whose rows live on the host.
     pub fn new(n_layer: usize, kv_dim: usize, n_ctx: usize) -> Self {
         KvCache {
             n_layer,
             kv_dim,
             n_ctx,
             seqs: BTreeMap::new(),
+            free: Vec::new(),
+            next: 0,
+            n_slots: n_ctx,
+            store: None,
+        }
+    }
+
+    /// A cache whose rows live in `store` (its slots as allocated, usually `n_ctx`).
+    pub fn with_store(
+        n_layer: usize,
+        kv_dim: usize,
+        n_ctx: usize,
+        store: Box<dyn KvStore>,
+    ) -> Self {
+        let n_slots = store.n_slots();
+        KvCache {
+            n_slots,
+            store: Some(store),
+            ..KvCache::new(n_layer, kv_dim, n_ctx)
+        }
+    }
+
+    /// The store holding the rows, when they are not on the host.
+    pub fn store(&self) -> Option<&dyn KvStore> {
+        self.store.as_deref()
+    }
+
+    pub fn store_mut(&mut self) -> Option<&mut dyn KvStore> {
+        match &mut self.store {
+            Some(s) => Some(&mut **s),
+            None => None,
         }
     }
 
     /// Total cells (tokens) the cache may hold.
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    pub fn n_layer(&self) -> usize {
+        self.n_layer
     }
 
     /// Cells in use across all sequences.
@@ -85,22 +178,48 @@ impl KvCache {
         Ok(())
     }
 
+    /// A slot no cell holds; the store grows when every slot is taken (only a copy past
+    /// `n_ctx` through [`KvCache::seq_cp`] or cells added without [`KvCache::check_room`]).
+    fn alloc_slot(&mut self) -> u32 {
+        if let Some(s) = self.free.pop() {
+            return s;
+        }
+        if self.next as usize >= self.n_slots {
+            let n = (self.n_slots * 2).max(16);
+            if let Some(st) = &mut self.store {
+                st.grow(n);
+            }
+            self.n_slots = n;
+        }
+        self.next += 1;
+        self.next - 1
+    }
+
     /// Appends a cell for `seq` at `pos`; returns its index. K/V rows are zero until written.
     pub fn add_cell(&mut self, seq: SeqId, pos: u32) -> usize {
-        let (n_layer, kv_dim) = (self.n_layer, self.kv_dim);
+        // a token written again at a position replaces the old cell
+        if let Some(i) = self
+            .seqs
+            .get(&seq)
+            .and_then(|s| s.pos.iter().position(|&p| p == pos))
+        {
+            return i;
+        }
+        let slot = self.alloc_slot();
+        let (n_layer, kv_dim, host) = (self.n_layer, self.kv_dim, self.store.is_none());
         let s = self.seqs.entry(seq).or_insert_with(|| SeqCells {
             pos: Vec::new(),
+            slots: Vec::new(),
             k: vec![Vec::new(); n_layer],
             v: vec![Vec::new(); n_layer],
         });
-        // a token written again at a position replaces the old cell
-        if let Some(i) = s.pos.iter().position(|&p| p == pos) {
-            return i;
-        }
         s.pos.push(pos);
-        for l in 0..n_layer {
-            s.k[l].resize(s.pos.len() * kv_dim, 0);
-            s.v[l].resize(s.pos.len() * kv_dim, 0);
+        s.slots.push(slot);
+        if host {
+            for l in 0..n_layer {
+                s.k[l].resize(s.pos.len() * kv_dim, 0);
+                s.v[l].resize(s.pos.len() * kv_dim, 0);
+            }
         }
         s.pos.len() - 1
     }
@@ -108,13 +227,23 @@ impl KvCache {
     pub fn write(&mut self, seq: SeqId, cell: usize, layer: usize, k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
         if let Some(s) = self.seqs.get_mut(&seq) {
-            f32_to_f16_row(k, &mut s.k[layer][cell * d..(cell + 1) * d]);
-            f32_to_f16_row(v, &mut s.v[layer][cell * d..(cell + 1) * d]);
+            match &mut self.store {
+                None => {
+                    f32_to_f16_row(k, &mut s.k[layer][cell * d..(cell + 1) * d]);
+                    f32_to_f16_row(v, &mut s.v[layer][cell * d..(cell + 1) * d]);
+                }
+                Some(st) => st.write(s.slots[cell], layer, k, v),
+            }
         }
     }
 
     pub fn seq(&self, seq: SeqId) -> Option<&SeqCells> {
         self.seqs.get(&seq)
+    }
+
+    /// The sequences held, in id order.
+    pub fn seq_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.keys().copied()
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -124,8 +253,7 @@ impl KvCache {
     /// Removes the cells of `seq` with position in `p0..p1` (`None` = unbounded), like
     /// `llama_memory_seq_rm`.
     pub fn seq_rm(&mut self, seq: SeqId, p0: Option<u32>, p1: Option<u32>) {
-        let d = self.kv_dim;
-        let Some(s) = self.seqs.get_mut(&seq) else {
+        let Some(s) = self.seqs.get(&seq) else {
             return;
         };
         let keep: Vec<bool> = s
@@ -133,27 +261,42 @@ impl KvCache {
             .iter()
             .map(|&p| !(p0.is_none_or(|a| p >= a) && p1.is_none_or(|b| p < b)))
             .collect();
-        retain_cells(s, &keep, d);
-        if s.pos.is_empty() {
-            self.seqs.remove(&seq);
-        }
+        self.retain_cells(seq, &keep);
     }
 
     /// Drops every sequence but `seq`.
     pub fn seq_keep(&mut self, seq: SeqId) {
-        self.seqs.retain(|&s, _| s == seq);
+        let free = &mut self.free;
+        self.seqs.retain(|&s, c| {
+            if s != seq {
+                free.extend_from_slice(&c.slots);
+            }
+            s == seq
+        });
     }
 
     /// Forgets everything.
     pub fn clear(&mut self) {
         self.seqs.clear();
+        self.free.clear();
+        self.next = 0;
     }
 
     /// Copies the cells of `src` into `dst` (replacing `dst`).
     pub fn seq_cp(&mut self, src: SeqId, dst: SeqId) {
-        if let Some(s) = self.seqs.get(&src).cloned() {
-            self.seqs.insert(dst, s);
+        if src == dst {
+            return;
         }
+        let Some(mut s) = self.seqs.get(&src).cloned() else {
+            return;
+        };
+        self.seq_rm(dst, None, None);
+        let pairs: Vec<(u32, u32)> = s.slots.iter().map(|&a| (a, self.alloc_slot())).collect();
+        if let Some(st) = &mut self.store {
+            st.copy(&pairs);
+        }
+        s.slots = pairs.iter().map(|p| p.1).collect();
+        self.seqs.insert(dst, s);
     }
 
     /// Gives `dst` a copy of the cells of `src` with position in `p0..p1` (`None` =
@@ -184,20 +327,30 @@ impl KvCache {
         let Some(s) = self.seqs.get(&src) else {
             return Ok(());
         };
+        let host = self.store.is_none();
         let mut copy = SeqCells {
             pos: picked.iter().map(|&i| s.pos[i]).collect(),
+            slots: picked.iter().map(|&i| s.slots[i]).collect(),
             k: vec![Vec::with_capacity(picked.len() * d); self.n_layer],
             v: vec![Vec::with_capacity(picked.len() * d); self.n_layer],
         };
-        for l in 0..self.n_layer {
-            for &i in &picked {
-                copy.k[l].extend_from_slice(&s.k[l][i * d..(i + 1) * d]);
-                copy.v[l].extend_from_slice(&s.v[l][i * d..(i + 1) * d]);
+        if host {
+            for l in 0..self.n_layer {
+                for &i in &picked {
+                    copy.k[l].extend_from_slice(&s.k[l][i * d..(i + 1) * d]);
+                    copy.v[l].extend_from_slice(&s.v[l][i * d..(i + 1) * d]);
+                }
             }
         }
+        let pairs: Vec<(u32, u32)> = copy.slots.iter().map(|&a| (a, self.alloc_slot())).collect();
+        if let Some(st) = &mut self.store {
+            st.copy(&pairs);
+        }
+        copy.slots = pairs.iter().map(|p| p.1).collect();
         match self.seqs.get_mut(&dst) {
             Some(t) => {
                 t.pos.extend_from_slice(&copy.pos);
+                t.slots.extend_from_slice(&copy.slots);
                 for l in 0..copy.k.len() {
                     t.k[l].extend_from_slice(&copy.k[l]);
                     t.v[l].extend_from_slice(&copy.v[l]);
@@ -212,8 +365,8 @@ impl KvCache {
     }
 
     /// Shifts positions in `p0..p1` of `seq` by `delta`, re-rotating the stored keys with
-    /// `rotate(key_row, old_pos, new_pos)` (RoPE is additive in the angle). Cells whose
-    /// position would become negative are removed.
+    /// `rotate(key_row, delta)` (RoPE is additive in the angle; a [`KvStore`] rotates with
+    /// its own RoPE instead). Cells whose position would become negative are removed.
     pub fn seq_add(
         &mut self,
         seq: SeqId,
@@ -223,11 +376,13 @@ impl KvCache {
         rotate: &dyn Fn(&mut [f32], i64),
     ) {
         let d = self.kv_dim;
+        let host = self.store.is_none();
         let Some(s) = self.seqs.get_mut(&seq) else {
             return;
         };
         let mut row = vec![0f32; d];
         let mut keep = vec![true; s.pos.len()];
+        let mut moved = Vec::new();
         for (i, p) in s.pos.iter_mut().enumerate() {
             if *p < p0 || p1.is_some_and(|b| *p >= b) {
                 continue;
@@ -238,6 +393,10 @@ impl KvCache {
                 continue;
             }
             *p = np as u32;
+            if !host {
+                moved.push(s.slots[i]);
+                continue;
+            }
             for l in 0..self.n_layer {
                 let k = &mut s.k[l][i * d..(i + 1) * d];
                 for (r, h) in row.iter_mut().zip(k.iter()) {
@@ -249,33 +408,52 @@ impl KvCache {
                 }
             }
         }
-        retain_cells(s, &keep, d);
+        if let (Some(st), false) = (&mut self.store, moved.is_empty()) {
+            st.shift(&moved, delta);
+        }
+        self.retain_cells(seq, &keep);
+    }
+
+    /// Keeps the cells of `seq` whose flag in `keep` is set, preserving their order; the
+    /// slots of the others are free again, and a sequence left empty is forgotten.
+    fn retain_cells(&mut self, seq: SeqId, keep: &[bool]) {
+        let d = self.kv_dim;
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        if !keep.iter().all(|&k| k) {
+            let filter = |data: &mut Vec<u16>| {
+                if data.is_empty() {
+                    return;
+                }
+                let mut out = Vec::with_capacity(data.len());
+                for (i, k) in keep.iter().enumerate() {
+                    if *k {
+                        out.extend_from_slice(&data[i * d..(i + 1) * d]);
+                    }
+                }
+                *data = out;
+            };
+            for l in 0..s.k.len() {
+                filter(&mut s.k[l]);
+                filter(&mut s.v[l]);
+            }
+            let mut slots = Vec::with_capacity(s.slots.len());
+            for (i, &slot) in s.slots.iter().enumerate() {
+                if keep.get(i).copied().unwrap_or(true) {
+                    slots.push(slot);
+                } else {
+                    self.free.push(slot);
+                }
+            }
+            s.slots = slots;
+            let mut it = keep.iter();
+            s.pos.retain(|_| *it.next().unwrap_or(&true));
+        }
         if s.pos.is_empty() {
             self.seqs.remove(&seq);
         }
     }
-}
-
-/// Keeps the cells of `s` whose flag in `keep` is set, preserving their order.
-fn retain_cells(s: &mut SeqCells, keep: &[bool], d: usize) {
-    if keep.iter().all(|&k| k) {
-        return;
-    }
-    let filter = |data: &mut Vec<u16>| {
-        let mut out = Vec::with_capacity(data.len());
-        for (i, k) in keep.iter().enumerate() {
-            if *k {
-                out.extend_from_slice(&data[i * d..(i + 1) * d]);
-            }
-        }
-        *data = out;
-    };
-    for l in 0..s.k.len() {
-        filter(&mut s.k[l]);
-        filter(&mut s.v[l]);
-    }
-    let mut it = keep.iter();
-    s.pos.retain(|_| *it.next().unwrap_or(&true));
 }
 
 #[cfg(test)]
@@ -314,7 +492,7 @@ mod tests {
     #[test]
     fn seq_cp_range_without_room_changes_nothing() {
         let mut c = filled(7);
-        let before = c.clone().seqs;
+        let before = c.seqs.clone();
         assert_eq!(
             c.seq_cp_range(0, 2, None, Some(3)),
             Err(KvCacheError::Full {
@@ -327,5 +505,175 @@ mod tests {
         assert!(c.seq(2).is_none());
         c.seq_cp_range(0, 2, Some(3), None).unwrap();
         assert_eq!(c.seq(2).unwrap().pos, vec![3, 4]);
+    }
+
+    /// A store on the host, as a device store would be: one pool of slots per layer.
+    struct Pool {
+        kv_dim: usize,
+        k: Vec<Vec<u16>>,
+        v: Vec<Vec<u16>>,
+        n: usize,
+    }
+
+    /// The test's "RoPE": rotates pairs by 0.1 radians per position.
+    fn rotate(row: &mut [f32], delta: i64) {
+        let (s, c) = (0.1 * delta as f32).sin_cos();
+        for p in row.chunks_exact_mut(2) {
+            let (a, b) = (p[0], p[1]);
+            p[0] = a.mul_add(c, -(b * s));
+            p[1] = a.mul_add(s, b * c);
+        }
+    }
+
+    impl KvStore for Pool {
+        fn n_slots(&self) -> usize {
+            self.n
+        }
+        fn grow(&mut self, n: usize) {
+            for l in 0..self.k.len() {
+                self.k[l].resize(n * self.kv_dim, 0);
+                self.v[l].resize(n * self.kv_dim, 0);
+            }
+            self.n = n;
+        }
+        fn copy(&mut self, pairs: &[(u32, u32)]) {
+            let d = self.kv_dim;
+            for l in 0..self.k.len() {
+                for &(a, b) in pairs {
+                    let (a, b) = (a as usize * d, b as usize * d);
+                    self.k[l].copy_within(a..a + d, b);
+                    self.v[l].copy_within(a..a + d, b);
+                }
+            }
+        }
+        fn shift(&mut self, slots: &[u32], delta: i64) {
+            let d = self.kv_dim;
+            for l in 0..self.k.len() {
+                for &s in slots {
+                    let k = &mut self.k[l][s as usize * d..(s as usize + 1) * d];
+                    let mut row: Vec<f32> = k.iter().map(|&h| f16_to_f32(h)).collect();
+                    rotate(&mut row, delta);
+                    for (h, r) in k.iter_mut().zip(&row) {
+                        *h = f32_to_f16(*r);
+                    }
+                }
+            }
+        }
+        fn write(&mut self, slot: u32, layer: usize, k: &[f32], v: &[f32]) {
+            let (d, s) = (self.kv_dim, slot as usize);
+            f32_to_f16_row(k, &mut self.k[layer][s * d..(s + 1) * d]);
+            f32_to_f16_row(v, &mut self.v[layer][s * d..(s + 1) * d]);
+        }
+        fn read(&self, layer: usize, slots: &[u32]) -> (Vec<u16>, Vec<u16>) {
+            let d = self.kv_dim;
+            let mut k = Vec::new();
+            let mut v = Vec::new();
+            for &s in slots {
+                let s = s as usize;
+                k.extend_from_slice(&self.k[layer][s * d..(s + 1) * d]);
+                v.extend_from_slice(&self.v[layer][s * d..(s + 1) * d]);
+            }
+            (k, v)
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+
+    /// Both caches hold the same sequences, positions and rows, and no slot is held twice.
+    fn same(host: &KvCache, dev: &KvCache) {
+        assert_eq!(host.seqs.len(), dev.seqs.len());
+        let mut seen = std::collections::HashSet::new();
+        for (id, h) in &host.seqs {
+            let d = dev.seq(*id).expect("sequence in both");
+            assert_eq!(h.pos, d.pos, "seq {id}");
+            for l in 0..host.n_layer {
+                let (k, v) = dev.store().unwrap().read(l, &d.slots);
+                assert_eq!(h.k[l], k, "seq {id} layer {l} keys");
+                assert_eq!(h.v[l], v, "seq {id} layer {l} values");
+            }
+            for &s in &d.slots {
+                assert!(seen.insert(s), "slot {s} held twice");
+                assert!((s as usize) < dev.store().unwrap().n_slots());
+            }
+        }
+        assert_eq!(host.used(), dev.used());
+    }
+
+    /// Random structural operations on a host cache and a store-backed one keep them equal.
+    #[test]
+    fn a_store_mirrors_the_host_cache() {
+        let (n_layer, d, n_ctx) = (2, 6, 24);
+        let mut host = KvCache::new(n_layer, d, n_ctx);
+        let pool = Pool {
+            kv_dim: d,
+            k: vec![vec![0; n_ctx * d]; n_layer],
+            v: vec![vec![0; n_ctx * d]; n_layer],
+            n: n_ctx,
+        };
+        let mut dev = KvCache::with_store(n_layer, d, n_ctx, Box::new(pool));
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut rnd = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for step in 0..3000 {
+            let seq = rnd(3) as SeqId;
+            let other = rnd(3) as SeqId;
+            let (a, b) = (rnd(20) as u32, rnd(20) as u32);
+            let (p0, p1) = (a.min(b), a.max(b) + 1);
+            match rnd(16) {
+                0..=6 => {
+                    if host.check_room(1).is_ok() {
+                        let pos = host.seq_pos_max(seq).map_or(0, |p| p + 1 + rnd(2) as u32);
+                        for c in [&mut host, &mut dev] {
+                            let cell = c.add_cell(seq, pos);
+                            for l in 0..n_layer {
+                                let k: Vec<f32> =
+                                    (0..d).map(|i| (step * 7 + i + l) as f32 * 0.37).collect();
+                                let v: Vec<f32> =
+                                    (0..d).map(|i| (step + 3 * i + l) as f32 * -0.11).collect();
+                                c.write(seq, cell, l, &k, &v);
+                            }
+                        }
+                    }
+                }
+                7 | 8 => {
+                    host.seq_rm(seq, Some(p0), Some(p1));
+                    dev.seq_rm(seq, Some(p0), Some(p1));
+                }
+                9 | 10 => {
+                    let r = host.seq_cp_range(seq, other, None, Some(p1));
+                    assert_eq!(r, dev.seq_cp_range(seq, other, None, Some(p1)));
+                }
+                11 => {
+                    if host.used() + host.seq_len(seq) <= n_ctx + 8 {
+                        host.seq_cp(seq, other);
+                        dev.seq_cp(seq, other);
+                    }
+                }
+                12 | 13 => {
+                    let delta = rnd(7) as i64 - 4;
+                    host.seq_add(seq, p0, Some(p1), delta, &rotate);
+                    dev.seq_add(seq, p0, Some(p1), delta, &|_, _| unreachable!());
+                }
+                14 => {
+                    host.seq_keep(seq);
+                    dev.seq_keep(seq);
+                }
+                _ => {
+                    if rnd(8) == 0 {
+                        host.clear();
+                        dev.clear();
+                    }
+                }
+            }
+            same(&host, &dev);
+        }
     }
 }

@@ -383,26 +383,27 @@ impl Harness {
         );
     }
 
-    /// Writes K/V rows through kv_write into a device cache and reads them back.
+    /// Writes K/V rows through kv_write into slots of a device pool and reads them back.
     fn kv_write(&mut self) {
-        let (kv_dim, n_cells) = (256usize, 10usize);
-        let cache_k: GpuVec<u16> = self.dev.alloc(n_cells * kv_dim).expect("alloc");
-        let cache_v: GpuVec<u16> = self.dev.alloc(n_cells * kv_dim).expect("alloc");
-        let cells = [3usize, 9, 0];
-        let k = self.randn(cells.len() * kv_dim, 2.0);
-        let v = self.randn(cells.len() * kv_dim, 2.0);
-        let dk: Vec<u64> = cells
-            .iter()
-            .map(|&c| cache_k.ptr() + (c * kv_dim * 2) as u64)
-            .collect();
-        let dv: Vec<u64> = cells
-            .iter()
-            .map(|&c| cache_v.ptr() + (c * kv_dim * 2) as u64)
-            .collect();
-        // SAFETY: the addresses are rows of the two caches above.
+        let (kv_dim, n_slots) = (256usize, 10usize);
+        let cache_k: GpuVec<u16> = self.dev.alloc(n_slots * kv_dim).expect("alloc");
+        let cache_v: GpuVec<u16> = self.dev.alloc(n_slots * kv_dim).expect("alloc");
+        let slots = [3u32, 9, 0];
+        let k = self.randn(slots.len() * kv_dim, 2.0);
+        let v = self.randn(slots.len() * kv_dim, 2.0);
+        let gs = self.dev.upload(&slots).expect("upload");
+        // SAFETY: the slots lie inside the two pools above.
         unsafe {
             self.dev
-                .kv_write(&self.up(&k), &self.up(&v), kv_dim, &dk, &dv, &mut self.s)
+                .kv_write(
+                    &self.up(&k),
+                    &self.up(&v),
+                    kv_dim,
+                    cache_k.ptr(),
+                    cache_v.ptr(),
+                    gs.ptr(),
+                    slots.len(),
+                )
                 .expect("kv_write");
         }
         let (gk, gv) = (
@@ -410,7 +411,8 @@ impl Harness {
             cache_v.read(&self.dev).expect("read"),
         );
         let (mut got, mut want) = (Vec::new(), Vec::new());
-        for (i, &c) in cells.iter().enumerate() {
+        for (i, &c) in slots.iter().enumerate() {
+            let c = c as usize;
             for j in 0..kv_dim {
                 got.push(f16_to_f32(gk[c * kv_dim + j]));
                 got.push(f16_to_f32(gv[c * kv_dim + j]));
@@ -434,7 +436,8 @@ impl Harness {
         split: Option<usize>,
     ) {
         let kv_dim = n_head_kv * hd;
-        // two sequences' caches: even queries read cache A, odd ones cache B
+        // two sequences' cells in one pool: even queries read cache A (cell c = slot c),
+        // odd ones cache B (its cells in reversed slots n_cells..2 n_cells)
         let mut caches = Vec::new();
         for _ in 0..2 {
             let k: Vec<u16> = self
@@ -453,29 +456,40 @@ impl Harness {
                 let j = self.rng.gen_range(0..=i);
                 pos.swap(i, j);
             }
-            let gk = self.dev.upload(&k).expect("upload");
-            let gv = self.dev.upload(&v).expect("upload");
-            let gp = self.dev.upload(&pos).expect("upload");
-            caches.push((k, v, pos, gk, gv, gp));
+            caches.push((k, v, pos));
         }
+        let (mut pool_k, mut pool_v) = (caches[0].0.clone(), caches[0].1.clone());
+        for c in (0..n_cells).rev() {
+            pool_k.extend_from_slice(&caches[1].0[c * kv_dim..(c + 1) * kv_dim]);
+            pool_v.extend_from_slice(&caches[1].1[c * kv_dim..(c + 1) * kv_dim]);
+        }
+        let b_slots: Vec<u32> = (0..n_cells).map(|c| (2 * n_cells - 1 - c) as u32).collect();
+        let gk = self.dev.upload(&pool_k).expect("upload");
+        let gv = self.dev.upload(&pool_v).expect("upload");
+        let gpa = self.dev.upload(&caches[0].2).expect("upload");
+        let gpb = self.dev.upload(&caches[1].2).expect("upload");
+        let gsb = self.dev.upload(&b_slots).expect("upload");
         let n = queries.len();
         let scale = 1.0 / (hd as f32).sqrt();
         let q = self.randn(n * n_head * hd, 1.0);
-        let rows: Vec<AttnRow> = queries
-            .iter()
-            .enumerate()
-            .map(|(i, &(p, win))| {
-                let c = &caches[i % 2];
-                AttnRow {
-                    k: c.3.ptr(),
-                    v: c.4.ptr(),
-                    pos: c.5.ptr(),
-                    n_cells: n_cells as u32,
-                    min_pos: win.map_or(0, |w| (p + 1).saturating_sub(w)),
-                    max_pos: p,
-                }
-            })
-            .collect();
+        let mut packed = Vec::new();
+        for (i, &(p, _)) in queries.iter().enumerate() {
+            let (slots, pos) = if i % 2 == 0 {
+                (0, gpa.ptr())
+            } else {
+                (gsb.ptr(), gpb.ptr())
+            };
+            AttnRow {
+                slots,
+                pos,
+                n_cells: n_cells as u32,
+                max_pos: p,
+            }
+            .pack(&mut packed);
+        }
+        let rows = self.dev.upload(&packed).expect("upload");
+        // the kernel takes one window per call (per layer): the first query's
+        let window = queries.first().and_then(|q| q.1).unwrap_or(0);
         let shape = AttnShape {
             n_head,
             n_head_kv,
@@ -483,18 +497,35 @@ impl Harness {
             kv_stride: kv_dim,
             scale,
             softcap,
+            window,
         };
         let mut out = GpuVec::default();
-        // SAFETY: the rows point at the caches above, alive until the read below.
+        // SAFETY: the rows point at the buffers above, alive until the read below.
         unsafe {
             self.dev
-                .attention(&shape, &self.up(&q), &rows, &mut out, split, &mut self.s)
+                .attention(
+                    &shape,
+                    &self.up(&q),
+                    gk.ptr(),
+                    gv.ptr(),
+                    rows.ptr(),
+                    n,
+                    n_cells,
+                    &mut out,
+                    split,
+                    &mut self.s,
+                )
                 .expect("attention");
         }
         let got = out.read(&self.dev).expect("read");
         let mut want = vec![0f64; n * n_head * hd];
         let group = n_head / n_head_kv;
-        for (t, row) in rows.iter().enumerate() {
+        for (t, &(max_pos, _)) in queries.iter().enumerate() {
+            let min_pos = if window == 0 {
+                0
+            } else {
+                (max_pos + 1).saturating_sub(window)
+            };
             let (k, v, pos) = (&caches[t % 2].0, &caches[t % 2].1, &caches[t % 2].2);
             for h in 0..n_head {
                 let kvh = h / group;
@@ -504,7 +535,7 @@ impl Harness {
                     .collect();
                 let mut scores = Vec::new();
                 for c in 0..n_cells {
-                    if pos[c] < row.min_pos || pos[c] > row.max_pos {
+                    if pos[c] < min_pos || pos[c] > max_pos {
                         continue;
                     }
                     let kr = &k[c * kv_dim + kvh * hd..c * kv_dim + (kvh + 1) * hd];
@@ -615,14 +646,15 @@ impl Harness {
             let gp = self.dev.upload(&pos).expect("upload");
             let qh = self.randn(nh * hd, 1.0);
             let q = self.up(&qh);
-            let rows = [AttnRow {
-                k: gk.ptr(),
-                v: gv.ptr(),
+            let mut packed = Vec::new();
+            AttnRow {
+                slots: 0,
                 pos: gp.ptr(),
                 n_cells: n_cells as u32,
-                min_pos: 0,
                 max_pos: n_cells as u32,
-            }];
+            }
+            .pack(&mut packed);
+            let rows = self.dev.upload(&packed).expect("upload");
             let shape = AttnShape {
                 n_head: nh,
                 n_head_kv: nkv,
@@ -630,6 +662,7 @@ impl Harness {
                 kv_stride: kvd,
                 scale: 1.0 / (hd as f32).sqrt(),
                 softcap: 0.0,
+                window: 0,
             };
             let mut out = GpuVec::default();
             let mut s = Scratch::default();
@@ -637,7 +670,18 @@ impl Harness {
                 // SAFETY: the row points at the buffers above.
                 unsafe {
                     self.dev
-                        .attention(&shape, &q, &rows, &mut out, None, &mut s)
+                        .attention(
+                            &shape,
+                            &q,
+                            gk.ptr(),
+                            gv.ptr(),
+                            rows.ptr(),
+                            1,
+                            n_cells,
+                            &mut out,
+                            None,
+                            &mut s,
+                        )
                         .expect("attention");
                 }
             });
@@ -745,12 +789,22 @@ fn main() {
     h.kv_write();
     h.attention("single cell", 8, 2, 64, 1, &[(0, None)], 0.0, None);
     h.attention(
-        "causal+window",
+        "causal",
         8,
         2,
         64,
         300,
-        &[(299, None), (150, None), (299, Some(50)), (10, Some(4))],
+        &[(299, None), (150, None), (0, None)],
+        0.0,
+        None,
+    );
+    h.attention(
+        "window",
+        8,
+        2,
+        64,
+        300,
+        &[(299, Some(50)), (10, Some(50)), (120, Some(50))],
         0.0,
         None,
     );
@@ -762,7 +816,7 @@ fn main() {
         8,
         128,
         5000,
-        &[(3000, None), (4999, Some(1000))],
+        &[(3000, Some(1000)), (4999, Some(1000))],
         0.0,
         Some(7),
     );

@@ -1,9 +1,12 @@
 // Decode attention over an f16 K/V cache (flash-attention style: one pass, online softmax).
 //
-// Each query row t has its own cache: `rows[5t..5t+5]` = { K base, V base, positions base
-// (u32 per cell), cell count, min_pos | max_pos << 32 }. K and V are cell-major: cell c's
-// key for all KV heads is kv_stride halves at K + c * kv_stride. Query head h reads KV head
-// h / (n_head / n_head_kv). A cell is visible when min_pos <= pos <= max_pos.
+// The cache is a pool of slots per layer: slot j's key for all KV heads is kv_stride halves
+// at K + j * kv_stride (V likewise). Each query row t reads the cells of its sequence:
+// `rows[3t..3t+3]` = { slots (u32 per cell; 0 = cell c is slot c), positions (u32 per
+// cell), n_cells | max_pos << 32 }. These descriptors do not depend on the layer, so a
+// forward call uploads them once. Query head h reads KV head h / (n_head / n_head_kv). A
+// cell is visible when min_pos <= pos <= max_pos, min_pos = max_pos + 1 - window (0 when
+// window is 0 or reaches past position 0).
 //
 // The cells of a row are split into n_split contiguous ranges (grid z); each block of 4
 // warps walks its range (warp w takes cells w, w + 4, ...) keeping a running max m, sum s
@@ -46,19 +49,20 @@ __device__ __forceinline__ void load_halves(const u16 *row, int lane, int hd, bo
 
 template <int E>
 __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u64 *__restrict__ rows,
+                                           const u16 *__restrict__ K, const u16 *__restrict__ V,
                                            float *__restrict__ part, float *__restrict__ out,
                                            int n_head, int n_head_kv, int hd, int kv_stride,
-                                           float scale, float softcap, int n_split) {
+                                           float scale, float softcap, u32 window, int n_split) {
     __shared__ float sm_m[ATTN_WARPS], sm_s[ATTN_WARPS];
     __shared__ float sm_acc[ATTN_WARPS][E * 32];
     const int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u64 *r = rows + 5 * (size_t)t;
-    const u16 *K = (const u16 *)r[0];
-    const u16 *V = (const u16 *)r[1];
-    const u32 *P = (const u32 *)r[2];
-    const int nc = (int)r[3];
-    const u32 min_pos = (u32)(r[4] & 0xffffffffull), max_pos = (u32)(r[4] >> 32);
+    const u64 *r = rows + 3 * (size_t)t;
+    const u32 *SL = (const u32 *)r[0];
+    const u32 *P = (const u32 *)r[1];
+    const int nc = (int)(r[2] & 0xffffffffull);
+    const u32 max_pos = (u32)(r[2] >> 32);
+    const u32 min_pos = (window != 0 && max_pos + 1 > window) ? max_pos + 1 - window : 0;
     const int kvh = h / (n_head / n_head_kv);
     const int chunk = (nc + n_split - 1) / n_split;
     const int c0 = sp * chunk;
@@ -87,8 +91,9 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
     float kf[E], vf[E];
     if (have) {
         p = P[c];
-        load_halves<E>(K + (size_t)c * kv_stride + (size_t)kvh * hd, lane, hd, vec, kf);
-        load_halves<E>(V + (size_t)c * kv_stride + (size_t)kvh * hd, lane, hd, vec, vf);
+        const size_t j = SL ? SL[c] : (u32)c;
+        load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kf);
+        load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vf);
     }
     while (have) {
         const int cn = c + ATTN_WARPS;
@@ -97,8 +102,9 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
         float kn[E], vn[E];
         if (hn) {
             pn = P[cn];
-            load_halves<E>(K + (size_t)cn * kv_stride + (size_t)kvh * hd, lane, hd, vec, kn);
-            load_halves<E>(V + (size_t)cn * kv_stride + (size_t)kvh * hd, lane, hd, vec, vn);
+            const size_t j = SL ? SL[cn] : (u32)cn;
+            load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kn);
+            load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vn);
         }
         if (p <= max_pos && p >= min_pos) {
             float dot = 0.0f;
@@ -170,11 +176,11 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
 
 #define ATTN_KERNEL(E)                                                                        \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                            \
-        attn_split_##E(const float *q, const u64 *rows, float *part, float *out, int n_head, \
-                       int n_head_kv, int hd, int kv_stride, float scale, float softcap,     \
-                       int n_split) {                                                        \
-        attn_split<E>(q, rows, part, out, n_head, n_head_kv, hd, kv_stride, scale, softcap,  \
-                      n_split);                                                              \
+        attn_split_##E(const float *q, const u64 *rows, const u16 *K, const u16 *V,          \
+                       float *part, float *out, int n_head, int n_head_kv, int hd,           \
+                       int kv_stride, float scale, float softcap, u32 window, int n_split) { \
+        attn_split<E>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride, scale,     \
+                      softcap, window, n_split);                                             \
     }
 
 ATTN_KERNEL(2)

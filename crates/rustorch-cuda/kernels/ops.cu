@@ -119,13 +119,55 @@ extern "C" __global__ void gather_rows(const float *__restrict__ x, const u32 *_
     out[idx] = x[(size_t)rows[k] * width + i];
 }
 
-// Writes row r of k and v (kv_dim values) as f16 at the cache rows dst_k[r], dst_v[r].
+// Writes row r of k and v (kv_dim values) as f16 into slot slots[r] of one layer's pools.
 extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__restrict__ v,
-                                    const u64 *__restrict__ dst_k, const u64 *__restrict__ dst_v,
-                                    int n_rows, int kv_dim) {
+                                    u16 *__restrict__ K, u16 *__restrict__ V,
+                                    const u32 *__restrict__ slots, int n_rows, int kv_dim) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n_rows * kv_dim) return;
     const int r = (int)(idx / kv_dim), i = (int)(idx % kv_dim);
-    ((u16 *)dst_k[r])[i] = f2h(k[idx]);
-    ((u16 *)dst_v[r])[i] = f2h(v[idx]);
+    const size_t o = (size_t)slots[r] * kv_dim + i;
+    K[o] = f2h(k[idx]);
+    V[o] = f2h(v[idx]);
+}
+
+// Cache pools of n_layer layers, layer_stride halves apart: for each pair j, slot
+// pairs[2j+1] of every layer becomes a copy of slot pairs[2j] (keys and values).
+extern "C" __global__ void kv_copy(u16 *K, u16 *V, const u32 *__restrict__ pairs, int n_pairs,
+                                   int n_layer, long long layer_stride, int kv_dim) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n_layer * n_pairs * kv_dim) return;
+    const int i = (int)(idx % kv_dim);
+    const long long lj = idx / kv_dim;
+    const int j = (int)(lj % n_pairs), l = (int)(lj / n_pairs);
+    const size_t base = (size_t)l * layer_stride + i;
+    const size_t src = base + (size_t)pairs[2 * j] * kv_dim;
+    const size_t dst = base + (size_t)pairs[2 * j + 1] * kv_dim;
+    K[dst] = K[src];
+    V[dst] = V[src];
+}
+
+// Context shift: rotates the keys of slots[0..n] (every layer, every head of head_dim
+// values) by one angle set (cs/sn, n_rot/2 values), in f32 between f16 loads and stores,
+// as the host cache does.
+extern "C" __global__ void kv_shift(u16 *K, const u32 *__restrict__ slots, int n,
+                                    int n_layer, long long layer_stride, int kv_dim,
+                                    int head_dim, int n_rot, int neox,
+                                    const float *__restrict__ cs, const float *__restrict__ sn) {
+    const int half = n_rot / 2;
+    const int heads = kv_dim / head_dim;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n_layer * n * heads * half) return;
+    const int i = (int)(idx % half);
+    long long rest = idx / half;
+    const int h = (int)(rest % heads);
+    rest /= heads;
+    const int j = (int)(rest % n), l = (int)(rest / n);
+    u16 *hp = K + (size_t)l * layer_stride + (size_t)slots[j] * kv_dim + (size_t)h * head_dim;
+    const int i0 = neox ? i : 2 * i;
+    const int i1 = neox ? i + half : 2 * i + 1;
+    const float c = cs[i], s = sn[i];
+    const float x0 = h2f(hp[i0]), x1 = h2f(hp[i1]);
+    hp[i0] = f2h(__fmaf_rn(x0, c, -__fmul_rn(x1, s)));
+    hp[i1] = f2h(__fmaf_rn(x0, s, __fmul_rn(x1, c)));
 }

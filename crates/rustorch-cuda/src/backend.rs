@@ -2,10 +2,10 @@
 //! their GGUF formats) and [`Cuda`], the per-call [`Backend`] whose activations live in
 //! device memory.
 //!
-//! Attention is transitional: the K/V cache is still the host [`KvCache`], so each call
-//! downloads the new K/V rows into it and uploads the cells of the batch's sequences for the
-//! layer before running the GPU kernel. Correct, but it moves the whole context over PCIe
-//! per layer and step; it goes away once the cache can keep its rows in device memory.
+//! Attention reads the K/V rows where they are: the cache's rows live on the GPU
+//! ([`CudaKvStore`], which `Model::new_cache` gives a cache of a model placed here), and
+//! each forward call uploads only small descriptors once (the slot of every new cell, and
+//! the slots and positions of the cells of the batch's sequences), shared by all layers.
 //!
 //! Ops of the trait that return nothing cannot report a failed launch; the first such error
 //! is kept and returned by the next op that returns a `Result` (or by [`Cuda::finish`]).
@@ -19,6 +19,7 @@ use rustorch_core::kv_cache::{KvCache, SeqId};
 use crate::device::{CudaDevice, GpuVec};
 use crate::error::CudaError;
 use crate::kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
+use crate::kv::CudaKvStore;
 
 fn be_err(e: CudaError) -> BackendError {
     BackendError::Device(e.to_string())
@@ -65,10 +66,10 @@ pub struct Cuda<'a> {
     /// The first error of an op that cannot return one.
     err: Option<CudaError>,
     tmp: GpuVec<f32>,
-    /// Host-cache cells of the batch's sequences for one layer, uploaded for attention.
-    stage_k: GpuVec<u16>,
-    stage_v: GpuVec<u16>,
-    stage_pos: GpuVec<u32>,
+    /// This call's attention inputs, uploaded by its first attention op, and the layer of
+    /// the last attention op (a layer not after it starts another forward call).
+    attn_in: Option<AttnInputs>,
+    attn_layer: usize,
     /// The layer of the last hooked tensor (names the tensors hooked inside fused ops).
     layer: usize,
 }
@@ -81,9 +82,8 @@ impl<'a> Cuda<'a> {
             hook,
             err: None,
             tmp: GpuVec::default(),
-            stage_k: GpuVec::default(),
-            stage_v: GpuVec::default(),
-            stage_pos: GpuVec::default(),
+            attn_in: None,
+            attn_layer: 0,
             layer: 0,
         }
     }
@@ -108,57 +108,45 @@ impl<'a> Cuda<'a> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attention_staged(
+    fn attention_in_place(
         &mut self,
         spec: &AttnSpec,
         rows: Rows<'_>,
         q: &GpuVec<f32>,
         k: &GpuVec<f32>,
         v: &GpuVec<f32>,
-        cache: &mut KvCache,
+        cache: &KvCache,
         cells: &[usize],
         out: &mut GpuVec<f32>,
     ) -> Result<(), CudaError> {
-        let kvd = cache.kv_dim();
-        let n = cells.len();
-        // new rows into the host cache
-        let (hk, hv) = (k.read(self.dev)?, v.read(self.dev)?);
-        for (i, &cell) in cells.iter().enumerate() {
-            let r = i * kvd..(i + 1) * kvd;
-            cache.write(rows.seq_ids[i], cell, spec.layer, &hk[r.clone()], &hv[r]);
+        let store = cache
+            .store()
+            .and_then(|s| s.as_any().downcast_ref::<CudaKvStore>())
+            .filter(|s| s.on(self.dev))
+            .ok_or_else(|| {
+                CudaError::Unsupported(
+                    "the KV cache's rows are not on this GPU (make the cache with Model::new_cache)"
+                        .into(),
+                )
+            })?;
+        if let Some(e) = store.error() {
+            return Err(CudaError::Driver(e.to_string()));
         }
-        // this layer's cells of each sequence in the batch, back to back
-        let mut seqs: Vec<SeqId> = rows.seq_ids[..n].to_vec();
-        seqs.sort_unstable();
-        seqs.dedup();
-        let (mut sk, mut sv, mut sp) = (Vec::new(), Vec::new(), Vec::new());
-        let mut at: Vec<(SeqId, usize, usize)> = Vec::new();
-        for &seq in &seqs {
-            if let Some(c) = cache.seq(seq) {
-                at.push((seq, sp.len(), c.pos.len()));
-                sk.extend_from_slice(&c.k[spec.layer]);
-                sv.extend_from_slice(&c.v[spec.layer]);
-                sp.extend_from_slice(&c.pos);
-            }
+        if self.attn_in.is_none() || spec.layer <= self.attn_layer {
+            self.attn_in = None;
+            self.attn_in = Some(AttnInputs::upload(self.dev, rows, cache, cells)?);
         }
-        self.stage_k.write(self.dev, &sk)?;
-        self.stage_v.write(self.dev, &sv)?;
-        self.stage_pos.write(self.dev, &sp)?;
-        let mut arows = Vec::with_capacity(n);
-        for i in 0..n {
-            let p = rows.positions[i];
-            let (off, nc) = at
-                .iter()
-                .find(|a| a.0 == rows.seq_ids[i])
-                .map_or((0, 0), |a| (a.1, a.2));
-            arows.push(AttnRow {
-                k: self.stage_k.ptr() + (off * kvd * 2) as u64,
-                v: self.stage_v.ptr() + (off * kvd * 2) as u64,
-                pos: self.stage_pos.ptr() + (off * 4) as u64,
-                n_cells: nc as u32,
-                min_pos: spec.window.map_or(0, |w| (p + 1).saturating_sub(w)),
-                max_pos: p,
-            });
+        self.attn_layer = spec.layer;
+        let Some(ai) = self.attn_in.as_ref() else {
+            return Ok(());
+        };
+        let (kvd, n, l) = (cache.kv_dim(), cells.len(), spec.layer);
+        if l >= store.n_layer() || kvd != store.kv_dim() {
+            return Err(CudaError::Unsupported(format!(
+                "attention of layer {l} ({kvd} K/V values) on a cache of {} layers of {}",
+                store.n_layer(),
+                store.kv_dim()
+            )));
         }
         let shape = AttnShape {
             n_head: spec.n_head,
@@ -167,13 +155,100 @@ impl<'a> Cuda<'a> {
             kv_stride: kvd,
             scale: spec.scale,
             softcap: spec.softcap,
+            window: spec.window.unwrap_or(0),
         };
-        // SAFETY: the rows point into the staging buffers, which stay allocated (and are
-        // only rewritten by later, stream-ordered copies).
+        // SAFETY: the slots come from the cache's bookkeeping, below the store's slot
+        // count; the descriptors point into `ai.buf`, which lives as long as this call.
         unsafe {
-            self.dev
-                .attention(&shape, q, &arows, out, None, &mut self.s)
+            self.dev.kv_write(
+                k,
+                v,
+                kvd,
+                store.layer_k(l),
+                store.layer_v(l),
+                ai.buf.ptr(),
+                n,
+            )?;
+            self.dev.attention(
+                &shape,
+                q,
+                store.layer_k(l),
+                store.layer_v(l),
+                ai.rows.ptr(),
+                n,
+                ai.max_cells,
+                out,
+                None,
+                &mut self.s,
+            )
         }
+    }
+}
+
+/// One forward call's attention inputs on the device, the same for every layer: `buf`
+/// holds the slot of each batch row's new cell, then for each sequence of the batch the
+/// slots and the positions of its cells; `rows` the descriptor of each batch row.
+struct AttnInputs {
+    buf: GpuVec<u32>,
+    rows: GpuVec<u64>,
+    max_cells: usize,
+}
+
+impl AttnInputs {
+    fn upload(
+        dev: &CudaDevice,
+        rows: Rows<'_>,
+        cache: &KvCache,
+        cells: &[usize],
+    ) -> Result<Self, CudaError> {
+        let n = cells.len();
+        let mut seqs: Vec<SeqId> = rows.seq_ids[..n].to_vec();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let mut host: Vec<u32> = Vec::with_capacity(n);
+        for (i, &cell) in cells.iter().enumerate() {
+            let slot = cache
+                .seq(rows.seq_ids[i])
+                .and_then(|c| c.slots.get(cell))
+                .copied()
+                .ok_or_else(|| {
+                    CudaError::Unsupported(format!(
+                        "batch row {i}: cell {cell} of sequence {} is not in the cache",
+                        rows.seq_ids[i]
+                    ))
+                })?;
+            host.push(slot);
+        }
+        let mut at: Vec<(SeqId, usize, usize)> = Vec::with_capacity(seqs.len());
+        for &seq in &seqs {
+            if let Some(c) = cache.seq(seq) {
+                at.push((seq, host.len(), c.pos.len()));
+                host.extend_from_slice(&c.slots);
+                host.extend_from_slice(&c.pos);
+            }
+        }
+        let buf = dev.upload(&host)?;
+        let mut packed = Vec::with_capacity(n * AttnRow::WORDS);
+        let mut max_cells = 0;
+        for i in 0..n {
+            let (off, nc) = at
+                .iter()
+                .find(|a| a.0 == rows.seq_ids[i])
+                .map_or((0, 0), |a| (a.1, a.2));
+            max_cells = max_cells.max(nc);
+            AttnRow {
+                slots: buf.ptr() + (off * 4) as u64,
+                pos: buf.ptr() + ((off + nc) * 4) as u64,
+                n_cells: nc as u32,
+                max_pos: rows.positions[i],
+            }
+            .pack(&mut packed);
+        }
+        Ok(AttnInputs {
+            rows: dev.upload(&packed)?,
+            buf,
+            max_cells,
+        })
     }
 }
 
@@ -308,7 +383,7 @@ impl<'a> Backend for Cuda<'a> {
         cells: &[usize],
         out: &mut GpuVec<f32>,
     ) {
-        let r = self.attention_staged(spec, rows, q, k, v, cache, cells, out);
+        let r = self.attention_in_place(spec, rows, q, k, v, cache, cells, out);
         self.keep(r);
     }
 

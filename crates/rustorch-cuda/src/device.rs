@@ -65,7 +65,9 @@ pub struct DeviceInfo {
 }
 
 /// One GPU with the kernels loaded: the context, the stream every op runs on, and the
-/// kernel functions by name.
+/// kernel functions by name. A clone shares the context, stream and module (a KV cache
+/// keeps one to work on its own).
+#[derive(Clone)]
 pub struct CudaDevice {
     pub(crate) stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -186,6 +188,46 @@ impl CudaDevice {
         // matches its C signature; pointers are to live device buffers sized by the caller.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// Copies `bytes` bytes between device addresses, in stream order.
+    ///
+    /// # Safety
+    /// Both ranges must be live device memory; they must not overlap.
+    pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes > 0 {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())?;
+        }
+        Ok(())
+    }
+
+    /// Copies `src` from the host to the device address `dst`, in stream order (the host
+    /// values are taken before this returns).
+    ///
+    /// # Safety
+    /// `dst` must be live device memory of at least `size_of_val(src)` bytes.
+    pub unsafe fn write_raw<T: DeviceRepr>(&self, dst: u64, src: &[T]) -> Result<()> {
+        if !src.is_empty() {
+            cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())?;
+        }
+        Ok(())
+    }
+
+    /// `n` values at device address `src`, on the host (waits for the stream).
+    ///
+    /// # Safety
+    /// `src` must be live device memory of at least `n` values.
+    pub unsafe fn read_raw<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: u64,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); n];
+        if n > 0 {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out, src, self.stream.cu_stream())?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
     }
 
     /// A device buffer of `n` values (at least one element is allocated), contents unset.

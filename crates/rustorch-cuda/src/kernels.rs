@@ -60,6 +60,8 @@ pub fn kernel_names() -> Vec<String> {
         "geglu",
         "gather_rows",
         "kv_write",
+        "kv_copy",
+        "kv_shift",
         "attn_combine",
     ]
     .iter()
@@ -100,21 +102,32 @@ pub struct Scratch {
     aq: GpuVec<i8>,
     ads: GpuVec<f32>,
     ids: GpuVec<u32>,
-    rows: GpuVec<u64>,
     part: GpuVec<f32>,
 }
 
-/// One query row's cache for [`CudaDevice::attention`]: device addresses of its K rows, V
-/// rows (f16, `kv_stride` halves per cell) and cell positions (u32), the cell count, and
-/// the visible position range.
+/// One query row's cells for [`CudaDevice::attention`]: the device address of their slots
+/// in the K/V pools (u32 per cell; 0 = cell `c` is slot `c`) and of their positions (u32 per
+/// cell), the cell count, and the query's position (cells after it are not visible).
 #[derive(Debug, Clone, Copy)]
 pub struct AttnRow {
-    pub k: u64,
-    pub v: u64,
+    pub slots: u64,
     pub pos: u64,
     pub n_cells: u32,
-    pub min_pos: u32,
     pub max_pos: u32,
+}
+
+impl AttnRow {
+    /// Values per row in the packed descriptor array the kernel reads.
+    pub const WORDS: usize = 3;
+
+    /// Appends the row's descriptor as the kernel reads it.
+    pub fn pack(&self, out: &mut Vec<u64>) {
+        out.extend_from_slice(&[
+            self.slots,
+            self.pos,
+            u64::from(self.n_cells) | (u64::from(self.max_pos) << 32),
+        ]);
+    }
 }
 
 /// Shapes and scaling of one attention call.
@@ -128,6 +141,8 @@ pub struct AttnShape {
     pub scale: f32,
     /// Scores become `softcap · tanh(score / softcap)`; 0 = none.
     pub softcap: f32,
+    /// Sliding window: a query at `p` sees positions `p + 1 - window ..= p`; 0 = none.
+    pub window: u32,
 }
 
 fn check_len(what: &str, have: usize, need: usize) -> Result<()> {
@@ -530,58 +545,57 @@ impl CudaDevice {
         self.launch_1d("gather_rows", rows.len() * width, &[&xp, &rp, &op, &w, &n])
     }
 
-    /// Writes row `r` of `k` and `v` (`kv_dim` values each) as f16 at the device
-    /// addresses `dst_k[r]` and `dst_v[r]`.
+    /// Writes row `r` of `k` and `v` (`kv_dim` values each) as f16 into slot `slots[r]`
+    /// (u32 on the device) of the pools at `pool_k`, `pool_v`.
     ///
     /// # Safety
-    /// Each address must point to `kv_dim` writable halves of live device memory.
+    /// The pools must hold every slot named (`kv_dim` halves each) in live device memory.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn kv_write(
         &self,
         k: &GpuVec<f32>,
         v: &GpuVec<f32>,
         kv_dim: usize,
-        dst_k: &[u64],
-        dst_v: &[u64],
-        s: &mut Scratch,
+        pool_k: u64,
+        pool_v: u64,
+        slots: u64,
+        n: usize,
     ) -> Result<()> {
-        let n = dst_k.len();
-        if dst_v.len() != n {
-            return Err(CudaError::Unsupported(
-                "kv_write: K and V row counts differ".into(),
-            ));
-        }
         check_len("kv_write k", k.len(), n * kv_dim)?;
         check_len("kv_write v", v.len(), n * kv_dim)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let mut both = Vec::with_capacity(2 * n);
-        both.extend_from_slice(dst_k);
-        both.extend_from_slice(dst_v);
-        s.rows.write(self, &both)?;
-        let (kp, vp, dk, dv) = (k.ptr(), v.ptr(), s.rows.ptr(), s.rows.ptr() + 8 * n as u64);
+        let (kp, vp) = (k.ptr(), v.ptr());
         let (nr, kd) = (n as i32, kv_dim as i32);
-        self.launch_1d("kv_write", n * kv_dim, &[&kp, &vp, &dk, &dv, &nr, &kd])
+        self.launch_1d(
+            "kv_write",
+            n * kv_dim,
+            &[&kp, &vp, &pool_k, &pool_v, &slots, &nr, &kd],
+        )
     }
 
-    /// Attention of each query row of `q` (`n_head · head_dim` values) over its row's
-    /// cache: `out = softmax(q·Kᵀ·scale, visible cells) · V`, zeros where no cell is
-    /// visible. `split` forces the number of sequence splits (default: enough blocks to
-    /// fill the GPU).
+    /// Attention of each of the `n` query rows of `q` (`n_head · head_dim` values) over
+    /// its cells (`rows`: `n` descriptors packed by [`AttnRow::pack`], on the device) in the
+    /// pools `pool_k`, `pool_v` (one layer): `out = softmax(q·Kᵀ·scale, visible cells) · V`,
+    /// zeros where no cell is visible. `max_cells` (the most cells of a row) sizes the
+    /// sequence splits; `split` forces their number (default: enough blocks to fill the GPU).
     ///
     /// # Safety
-    /// Every address in `rows` must point to live device memory holding `n_cells` cells.
+    /// Every descriptor must point to live device memory holding its `n_cells` slots and
+    /// positions, and every slot must lie inside the pools.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn attention(
         &self,
         shape: &AttnShape,
         q: &GpuVec<f32>,
-        rows: &[AttnRow],
+        pool_k: u64,
+        pool_v: u64,
+        rows: u64,
+        n: usize,
+        max_cells: usize,
         out: &mut GpuVec<f32>,
         split: Option<usize>,
         s: &mut Scratch,
     ) -> Result<()> {
         let (nh, hd) = (shape.n_head, shape.head_dim);
-        let n = rows.len();
         if shape.n_head_kv == 0 || !nh.is_multiple_of(shape.n_head_kv) {
             return Err(CudaError::Unsupported(format!(
                 "{nh} heads over {} KV heads",
@@ -596,26 +610,14 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        let max_cells = rows.iter().map(|r| r.n_cells as usize).max().unwrap_or(0);
         let n_split = match split {
             Some(k) => k.max(1),
             None => auto_splits(self.info.multiprocessors, n * nh, max_cells),
         };
-        let mut packed = Vec::with_capacity(5 * n);
-        for r in rows {
-            packed.extend_from_slice(&[
-                r.k,
-                r.v,
-                r.pos,
-                u64::from(r.n_cells),
-                u64::from(r.min_pos) | (u64::from(r.max_pos) << 32),
-            ]);
-        }
-        s.rows.write(self, &packed)?;
         if n_split > 1 {
             s.part.resize(self, n * nh * n_split * (hd + 2))?;
         }
-        let (qp, rp, pp, op) = (q.ptr(), s.rows.ptr(), s.part.ptr(), out.ptr());
+        let (qp, pp, op) = (q.ptr(), s.part.ptr(), out.ptr());
         let (nhi, nkv, hdi, kvs, ns) = (
             nh as i32,
             shape.n_head_kv as i32,
@@ -623,12 +625,15 @@ impl CudaDevice {
             shape.kv_stride as i32,
             n_split as i32,
         );
-        let (sc, cap) = (shape.scale, shape.softcap);
+        let (sc, cap, win) = (shape.scale, shape.softcap, shape.window);
         self.launch(
             &format!("attn_split_{e}"),
             (nh as u32, n as u32, n_split as u32),
             128,
-            &[&qp, &rp, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap, &ns],
+            &[
+                &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap, &win,
+                &ns,
+            ],
         )?;
         if n_split > 1 {
             self.launch(
@@ -639,5 +644,80 @@ impl CudaDevice {
             )?;
         }
         Ok(())
+    }
+
+    /// For each pair `(src, dst)` (u32 pairs on the device at `pairs`): slot `dst` of every
+    /// layer of the pools becomes a copy of slot `src` (keys and values).
+    ///
+    /// # Safety
+    /// The pools hold `n_layer` layers of `layer_stride` halves; every slot lies inside.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn kv_copy(
+        &self,
+        pool_k: u64,
+        pool_v: u64,
+        pairs: u64,
+        n_pairs: usize,
+        n_layer: usize,
+        layer_stride: usize,
+        kv_dim: usize,
+    ) -> Result<()> {
+        let (np, nl, ls, kd) = (
+            n_pairs as i32,
+            n_layer as i32,
+            layer_stride as i64,
+            kv_dim as i32,
+        );
+        self.launch_1d(
+            "kv_copy",
+            n_layer * n_pairs * kv_dim,
+            &[&pool_k, &pool_v, &pairs, &np, &nl, &ls, &kd],
+        )
+    }
+
+    /// Rotates the keys of `n` slots (u32 on the device at `slots`) of every layer by the
+    /// angles `cos`/`sin` (`rope.n_rot / 2` values), each head of `head_dim` values.
+    ///
+    /// # Safety
+    /// As [`CudaDevice::kv_copy`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn kv_shift(
+        &self,
+        pool_k: u64,
+        slots: u64,
+        n: usize,
+        n_layer: usize,
+        layer_stride: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        rope: &Rope,
+        cos: &GpuVec<f32>,
+        sin: &GpuVec<f32>,
+    ) -> Result<()> {
+        let half = rope.n_rot / 2;
+        if head_dim == 0 || !kv_dim.is_multiple_of(head_dim) || rope.n_rot > head_dim {
+            return Err(CudaError::Unsupported(format!(
+                "key shift: rows of {kv_dim} in heads of {head_dim}, {} rotated",
+                rope.n_rot
+            )));
+        }
+        check_len("kv_shift angles", cos.len().min(sin.len()), half)?;
+        let neox = i32::from(rope.mode == RopeMode::Neox);
+        let (ni, nl, ls, kd, hd, nr) = (
+            n as i32,
+            n_layer as i32,
+            layer_stride as i64,
+            kv_dim as i32,
+            head_dim as i32,
+            rope.n_rot as i32,
+        );
+        let (cp, sp) = (cos.ptr(), sin.ptr());
+        self.launch_1d(
+            "kv_shift",
+            n_layer * n * (kv_dim / head_dim) * half,
+            &[
+                &pool_k, &slots, &ni, &nl, &ls, &kd, &hd, &nr, &neox, &cp, &sp,
+            ],
+        )
     }
 }

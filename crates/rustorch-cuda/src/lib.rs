@@ -10,6 +10,7 @@ pub mod backend;
 pub mod device;
 pub mod error;
 pub mod kernels;
+pub mod kv;
 pub mod nvrtc;
 pub mod probe;
 
@@ -17,6 +18,7 @@ pub use backend::{Cuda, CudaAngles};
 pub use device::{device_count, CudaDevice, DeviceInfo, GpuVec, ModuleInfo};
 pub use error::CudaError;
 pub use kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
+pub use kv::{CudaKvStore, KeyRope};
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,7 @@ use rustorch_core::kernels::ThreadPool;
 use rustorch_core::kv_cache::KvCache;
 use rustorch_core::quant;
 use rustorch_core::GgmlType;
-use rustorch_cuda::{Cuda, CudaDevice};
+use rustorch_cuda::{Cuda, CudaDevice, CudaKvStore, KeyRope};
 
 const E: usize = 256;
 const N_HEAD: usize = 4;
@@ -235,9 +235,8 @@ fn step<B: Backend>(
     be.read(&g).into_owned()
 }
 
-/// Prompt (two sequences in one batch), then two decode steps.
-fn run<B: Backend>(be: &mut B, m: &Model<B::Dev>) -> Vec<Vec<f32>> {
-    let mut cache = KvCache::new(N_LAYER, N_KV * HD, 64);
+/// Prompt (two sequences in one batch), then two decode steps, in `cache` (64 cells).
+fn run<B: Backend>(be: &mut B, m: &Model<B::Dev>, mut cache: KvCache) -> Vec<Vec<f32>> {
     vec![
         step(
             be,
@@ -280,8 +279,17 @@ fn cuda_backend_matches_cpu() {
     {
         let (f, r) = make(ty, 7 + i as u64);
         let cm = load(&cpu_dev, &f, &r);
-        let exact = run(&mut Cpu::new(&cpu_dev, &f.bytes, &pool, true, None), &cm);
-        let cpu = run(&mut Cpu::new(&cpu_dev, &f.bytes, &pool, false, None), &cm);
+        let host = || KvCache::new(N_LAYER, N_KV * HD, 64);
+        let exact = run(
+            &mut Cpu::new(&cpu_dev, &f.bytes, &pool, true, None),
+            &cm,
+            host(),
+        );
+        let cpu = run(
+            &mut Cpu::new(&cpu_dev, &f.bytes, &pool, false, None),
+            &cm,
+            host(),
+        );
         for s in 0..3 {
             let e = rel(&cpu[s], &exact[s]);
             let _ = writeln!(
@@ -302,7 +310,14 @@ fn cuda_backend_matches_cpu() {
     for (ty, f, r, exact, cpu) in cases {
         let gm = load(&dev, &f, &r);
         let mut be = Cuda::new(&dev, None);
-        let gpu = run(&mut be, &gm);
+        let rope = KeyRope {
+            rope: ROPE,
+            head_dim: HD,
+            freqs: Some(r.freqs.clone()),
+        };
+        let store = CudaKvStore::new(&dev, N_LAYER, N_KV * HD, 64, rope).expect("KV pool");
+        let cache = KvCache::with_store(N_LAYER, N_KV * HD, 64, Box::new(store));
+        let gpu = run(&mut be, &gm, cache);
         be.finish().expect("cuda backend");
         for s in 0..3 {
             let (e_gpu, e_cpu) = (rel(&gpu[s], &exact[s]), rel(&cpu[s], &exact[s]));

@@ -18,7 +18,7 @@ use rustorch_core::quant::{self, QuantError};
 use rustorch_core::GgmlType;
 
 use ops::{Io, Step, Workspace};
-use rustorch_cuda::{Cuda, CudaAngles, CudaDevice, GpuVec};
+use rustorch_cuda::{Cuda, CudaAngles, CudaDevice, CudaKvStore, GpuVec, KeyRope};
 
 use crate::batch::Batch;
 use crate::kv_cache::{KvCache, KvCacheError};
@@ -736,9 +736,24 @@ impl Model {
         }
     }
 
-    /// A KV cache for this model holding `n_ctx` tokens in total.
+    /// A KV cache for this model holding `n_ctx` tokens in total, its rows where the model
+    /// runs (host memory, or one pool in the GPU's memory; a pool that cannot be allocated
+    /// makes the first forward call fail with the reason).
     pub fn new_cache(&self, n_ctx: usize) -> KvCache {
-        KvCache::new(self.hp.n_layer, self.hp.kv_dim(), n_ctx)
+        let (n_layer, kv_dim) = (self.hp.n_layer, self.hp.kv_dim());
+        match &self.placed {
+            Placed::Cpu(_) => KvCache::new(n_layer, kv_dim, n_ctx),
+            Placed::Cuda(c) => {
+                let rope = KeyRope {
+                    rope: self.hp.rope,
+                    head_dim: self.hp.head_dim,
+                    freqs: self.rope_freqs.clone(),
+                };
+                let store = CudaKvStore::new(&c.dev, n_layer, kv_dim, n_ctx, rope.clone())
+                    .unwrap_or_else(|e| CudaKvStore::failed(&c.dev, n_layer, kv_dim, rope, e));
+                KvCache::with_store(n_layer, kv_dim, n_ctx, Box::new(store))
+            }
+        }
     }
 
     /// Evaluates `batch`, writing its keys/values into `cache`, and returns logits for the
