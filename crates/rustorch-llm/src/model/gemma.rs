@@ -118,11 +118,6 @@ impl<D: Device> Gemma<D> {
         be.hook("inp_scaled", 0, &w.x);
         for (il, l) in self.layers.iter().enumerate() {
             let local = hp.swa_layers[il];
-            let (rope, angles) = if local {
-                (&hp.rope_swa, &w.angles_swa)
-            } else {
-                (&hp.rope, &w.angles)
-            };
             // h = rms_norm(x) * attn_norm
             be.rms_norm(&w.x, &l.attn_norm, hp.rms_eps, &mut w.h);
             be.hook("attn_norm", il, &w.h);
@@ -134,19 +129,8 @@ impl<D: Device> Gemma<D> {
             be.hook("Qcur", il, &w.q);
             be.hook("Kcur", il, &w.k);
             be.hook("Vcur", il, &w.v);
-            // per-head Q/K norm (Gemma 3), then rotation by each token's position
-            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                be.rms_norm_inplace(&mut w.q, qn, hp.rms_eps);
-                be.rms_norm_inplace(&mut w.k, kn, hp.rms_eps);
-                be.hook("Qcur_normed", il, &w.q);
-                be.hook("Kcur_normed", il, &w.k);
-            }
-            be.rope(&mut w.q, rope, hp.head_dim, angles);
-            be.rope(&mut w.k, rope, hp.head_dim, angles);
-            be.hook("Qcur_rope", il, &w.q);
-            be.hook("Kcur_rope", il, &w.k);
-            be.scale(&mut w.q, self.attn_scale);
-            be.hook("Qcur_scaled", il, &w.q);
+            // per-head Q/K norm (Gemma 3), rotation by each token's position, queries
+            // scaled before the f16 product (attention scale 1)
             let spec = AttnSpec {
                 layer: il,
                 n_head: hp.n_head,
@@ -156,18 +140,19 @@ impl<D: Device> Gemma<D> {
                 softcap: hp.attn_softcap,
                 window: local.then_some(hp.n_swa),
             };
-            be.attention(
-                &spec,
-                io.rows,
-                &w.q,
-                &w.k,
-                &w.v,
-                io.cache,
-                io.cells,
-                &mut w.attn,
-            );
-            be.hook("kqv_out", il, &w.attn);
-            be.matmul(&l.wo, &w.attn, &mut w.proj)?;
+            ops::attention(
+                be,
+                &mut io,
+                w,
+                ops::Attention {
+                    spec,
+                    rope: if local { &hp.rope_swa } else { &hp.rope },
+                    local,
+                    qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
+                    q_scale: Some(self.attn_scale),
+                    wo: &l.wo,
+                },
+            )?;
             if il + 1 == n_layer {
                 io.keep_output_rows(be, &mut [&mut w.x, &mut w.proj]);
             }

@@ -165,32 +165,19 @@ impl<D: Device> Llama<D> {
             be.hook("Qcur", il, &w.q);
             be.hook("Kcur", il, &w.k);
             be.hook("Vcur", il, &w.v);
-            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                be.rms_norm_inplace(&mut w.q, qn, hp.rms_eps);
-                be.rms_norm_inplace(&mut w.k, kn, hp.rms_eps);
-                be.hook("Qcur_normed", il, &w.q);
-                be.hook("Kcur_normed", il, &w.k);
-            }
-            // rotate q and k by each token's own position
-            be.rope(&mut w.q, &hp.rope, hp.head_dim, &w.angles);
-            be.rope(&mut w.k, &hp.rope, hp.head_dim, &w.angles);
-            be.hook("Qcur_rope", il, &w.q);
-            be.hook("Kcur_rope", il, &w.k);
-            // store k, v in the cache, then attend
-            be.attention(
-                &spec(il),
-                io.rows,
-                &w.q,
-                &w.k,
-                &w.v,
-                io.cache,
-                io.cells,
-                &mut w.attn,
-            );
-            be.hook("kqv_out", il, &w.attn);
-            // x = x + attn·Wo
-            be.matmul(&l.wo, &w.attn, &mut w.proj)?;
-            be.hook("attn_out", il, &w.proj);
+            ops::attention(
+                be,
+                &mut io,
+                w,
+                ops::Attention {
+                    spec: spec(il),
+                    rope: &hp.rope,
+                    local: false,
+                    qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
+                    q_scale: None,
+                    wo: &l.wo,
+                },
+            )?;
             if il + 1 == n_layer {
                 io.keep_output_rows(be, &mut [&mut w.x, &mut w.proj]);
             }

@@ -2,7 +2,8 @@
 //! outputs ([`Step`]), and building blocks made of backend ops (biases, the gated
 //! feed-forward, the final norm and logits).
 
-use rustorch_core::backend::{Backend, Device, Glu, Rows};
+use rustorch_core::backend::{AttnSpec, Backend, Device, Glu, Rows};
+use rustorch_core::kernels::ops::Rope;
 use rustorch_core::kv_cache::KvCache;
 
 use super::{ForwardOutput, HParams, LayerStat, ModelError};
@@ -118,6 +119,61 @@ impl Io<'_> {
             layer_stats: self.stats,
         })
     }
+}
+
+/// One layer's attention after the Q/K/V projections (in `w.q`, `w.k`, `w.v`).
+pub(crate) struct Attention<'a, D: Device> {
+    pub spec: AttnSpec,
+    pub rope: &'a Rope,
+    /// Rotate with the sliding-window layers' angles (`w.angles_swa`).
+    pub local: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (qwen3, gemma3).
+    pub qk_norm: Option<(&'a D::Vector, &'a D::Vector)>,
+    /// Multiply the queries by this after RoPE, before attention (gemma, phi3).
+    pub q_scale: Option<f32>,
+    pub wo: &'a D::Mat,
+}
+
+/// `w.proj = attention(rope(norm(q)), rope(norm(k)), v) · Wo`, storing K/V in the cache, with
+/// llama.cpp's tensor names.
+pub(crate) fn attention<B: Backend>(
+    be: &mut B,
+    io: &mut Io<'_>,
+    w: &mut Ws<B>,
+    a: Attention<'_, B::Dev>,
+) -> Result<(), ModelError> {
+    let (il, hd) = (a.spec.layer, a.spec.head_dim);
+    if let Some((qn, kn)) = a.qk_norm {
+        be.rms_norm_inplace(&mut w.q, qn, io.hp.rms_eps);
+        be.rms_norm_inplace(&mut w.k, kn, io.hp.rms_eps);
+        be.hook("Qcur_normed", il, &w.q);
+        be.hook("Kcur_normed", il, &w.k);
+    }
+    // rotate q and k by each token's own position
+    let angles = if a.local { &w.angles_swa } else { &w.angles };
+    be.rope(&mut w.q, a.rope, hd, angles);
+    be.rope(&mut w.k, a.rope, hd, angles);
+    be.hook("Qcur_rope", il, &w.q);
+    be.hook("Kcur_rope", il, &w.k);
+    if let Some(s) = a.q_scale {
+        be.scale(&mut w.q, s);
+        be.hook("Qcur_scaled", il, &w.q);
+    }
+    // store k, v in the cache, then attend
+    be.attention(
+        &a.spec,
+        io.rows,
+        &w.q,
+        &w.k,
+        &w.v,
+        io.cache,
+        io.cells,
+        &mut w.attn,
+    );
+    be.hook("kqv_out", il, &w.attn);
+    be.matmul(a.wo, &w.attn, &mut w.proj)?;
+    be.hook("attn_out", il, &w.proj);
+    Ok(())
 }
 
 /// `x[row] += b` when the layer has a bias.

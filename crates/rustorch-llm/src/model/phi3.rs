@@ -110,24 +110,20 @@ impl<D: Device> Phi3<D> {
             be.hook("Qcur", il, &w.q);
             be.hook("Kcur", il, &w.k);
             be.hook("Vcur", il, &w.v);
-            be.rope(&mut w.q, &hp.rope, hp.head_dim, &w.angles);
-            be.rope(&mut w.k, &hp.rope, hp.head_dim, &w.angles);
-            be.hook("Qcur_rope", il, &w.q);
-            be.hook("Kcur_rope", il, &w.k);
-            be.scale(&mut w.q, 1.0 / (hp.head_dim as f32).sqrt());
-            be.attention(
-                &spec(il),
-                io.rows,
-                &w.q,
-                &w.k,
-                &w.v,
-                io.cache,
-                io.cells,
-                &mut w.attn,
-            );
-            be.hook("kqv_out", il, &w.attn);
-            be.matmul(&l.wo, &w.attn, &mut w.proj)?;
-            be.hook("attn_out", il, &w.proj);
+            // queries scaled by 1/√d before the f16 product, attention scale 1
+            ops::attention(
+                be,
+                &mut io,
+                w,
+                ops::Attention {
+                    spec: spec(il),
+                    rope: &hp.rope,
+                    local: false,
+                    qk_norm: None,
+                    q_scale: Some(1.0 / (hp.head_dim as f32).sqrt()),
+                    wo: &l.wo,
+                },
+            )?;
             if il + 1 == n_layer {
                 io.keep_output_rows(be, &mut [&mut w.x, &mut w.proj]);
             }
