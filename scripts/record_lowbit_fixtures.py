@@ -2,24 +2,27 @@
 """Record ggml's dequantization (and, where rustorch quantizes, quantization) of the low-bit formats.
 
 Formats: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (grid i-quants), TQ1_0, TQ2_0
-(ternary) and MXFP4. For each it writes tests/fixtures/quant/<type>.json (ggml's type name), in
+(ternary), MXFP4, NVFP4, Q1_0 and Q2_0 (types are appended at the end of TYPES so that the random
+streams, and so the files, of the earlier ones stay the same). For each it writes tests/fixtures/quant/<type>.json (ggml's type name), in
 the layout of scripts/record_quant_fixtures.py's files plus three sections of its own:
 
   edge_blocks    hand-made blocks, element for element: every f16 scale class (±0, smallest and
                  largest subnormal, ±1, largest finite, ±inf, quiet/signalling/negative NaN) over
                  random payloads, and payloads of all-zero and all-one bits (every grid index,
                  sign bit, sub-block scale and shift bit at its limit); for MXFP4 the E8M0 scale
-                 at its limits with all 16 codes; labels say which block is which.
+                 and for NVFP4 the UE4M3 scales at their limits with all 16 codes; labels say
+                 which block is which.
   random_blocks  random bytes, half of the blocks with a moderate finite scale, element for
                  element (the same section name and meaning as in the older fixtures).
   sweep          blocks that together use every entry of the format's lookup table (every grid
                  index of iq2xxs/iq2xs/iq2s/iq3xxs/iq3s/iq1s_grid, every byte value of the
-                 ternary formats, every E8M0 exponent of MXFP4) at a moderate scale; the bytes
+                 ternary, Q1_0 and Q2_0 payloads, every E8M0 exponent of MXFP4 and UE4M3 byte of
+                 NVFP4) at a moderate scale; the bytes
                  and one SHA-256 of ggml's f32 output per block (a mismatch names the block).
   bulk           SHA-256 of ggml's dequantization of 16384 blocks of bulk_random_bytes() (the
                  generator of record_quant_fixtures.py, which the Rust test regenerates).
 
-For TQ1_0, TQ2_0 and MXFP4, which rustorch also quantizes, the file additionally holds what
+For TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0 and Q2_0, which rustorch also quantizes, the file additionally holds what
 record_quant_fixtures.py records for its types: per case of inputs.json ggml's quantized bytes and
 their dequantization ("cases"), SHA-256 of the quantization of bulk_inputs(2^20) and of its
 dequantization ("bulk"), plus "extra_cases": inputs aimed at these quantizers (exact rounding
@@ -28,7 +31,7 @@ huge maxima, NaN/inf at the first and the last position of a block).
 
 Every output value comes from ggml itself through ctypes on libggml-base.so:
   * dequantize: ggml_get_type_traits(type)->to_float
-  * quantize:   ggml_quantize_chunk(type, src, dst, 0, 1, n, NULL), which for these three types is
+  * quantize:   ggml_quantize_chunk(type, src, dst, 0, 1, n, NULL), which for these types is
                 quantize_row_<type>_ref (the script checks from_float_ref gives the same bytes)
 
 How to run (re-runnable and deterministic; a few seconds):
@@ -77,6 +80,9 @@ TYPES = [
     ("tq1_0", 34, 256, 54, 52, True),
     ("tq2_0", 35, 256, 66, 64, True),
     ("mxfp4", 39, 32, 17, None, True),
+    ("nvfp4", 40, 64, 36, None, True),
+    ("q1_0", 41, 128, 18, 0, True),
+    ("q2_0", 42, 64, 18, 0, True),
 ]
 
 F16_EDGES = [
@@ -120,6 +126,17 @@ def set_scale(name: str, blk: np.ndarray, d_off: int | None, h: int) -> None:
 
 def edge_blocks(rng, name, type_size, d_off) -> list[tuple[str, bytes]]:
     out = []
+    if name == "nvfp4":
+        codes = np.array([j | ((15 - j) << 4) for j in range(8)] + [(j + 8) | ((7 - j) << 4) for j in range(8)], np.uint8)
+        ue_edges = [0x00, 0x01, 0x07, 0x08, 0x09, 0x38, 0x77, 0x7E, 0x7F, 0x80, 0x81, 0xB8, 0xFE, 0xFF]
+        for k in range(0, len(ue_edges), 4):
+            d = (ue_edges[k : k + 4] + [0x38] * 4)[:4]
+            out.append((f"scales {', '.join(f'{v:#04x}' for v in d)} all codes", bytes(d) + codes.tobytes() * 2))
+        out.append(("all bits zero", bytes(type_size)))
+        out.append(("all bits one", bytes([0xFF] * type_size)))
+        d = bytes([0x30, 0x38, 0x40, 0x48])
+        out.append(("moderate scales, random codes", d + rng.integers(0, 256, 32, dtype=np.uint8).tobytes()))
+        return out
     if name == "mxfp4":
         all_codes = np.array([j | ((15 - j) << 4) for j in range(16)], np.uint8)
         for e in E8M0_EDGES:
@@ -148,6 +165,8 @@ def random_blocks(rng, name, block, type_size, d_off) -> bytes:
     for b in range(0, n_blocks, 2):
         if name == "mxfp4":
             blocks[b, 0] = rng.integers(110, 140)
+        elif name == "nvfp4":
+            blocks[b, 0:4] = rng.integers(0x28, 0x48, 4)
         else:
             h = int(np.float16(rng.uniform(-0.05, 0.05)).view("<u2"))
             set_scale(name, blocks[b], d_off, h)
@@ -170,14 +189,21 @@ def sweep_blocks(rng, name, type_size, d_off) -> tuple[str, list[bytes]]:
             blk[0] = e
             out.append(blk.tobytes())
         return "every E8M0 exponent 0..255, random codes", out
-    if name in ("tq1_0", "tq2_0"):
-        payload = 52 if name == "tq1_0" else 64  # qs (+ qh) bytes before d
+    if name == "nvfp4":
+        for b in range(64):
+            blk = rng.integers(0, 256, type_size, dtype=np.uint8)
+            blk[0:4] = np.arange(4 * b, 4 * b + 4)
+            out.append(blk.tobytes())
+        return "every UE4M3 scale byte 0..255, random codes", out
+    if name in ("tq1_0", "tq2_0", "q1_0", "q2_0"):
+        # (first payload byte, payload bytes): qs (+ qh) before d, or after it
+        first, payload = {"tq1_0": (0, 52), "tq2_0": (0, 64), "q1_0": (2, 16), "q2_0": (2, 16)}[name]
         n = -(-256 // payload)
         for b in range(n):
             blk = blank(b)
-            blk[:payload] = (np.arange(payload) + b * payload) % 256
+            blk[first : first + payload] = (np.arange(payload) + b * payload) % 256
             out.append(blk.tobytes())
-        return "every payload byte value 0..255 (qs and qh), moderate d", out
+        return f"every payload byte value 0..255 ({'qs and qh' if name == 'tq1_0' or name == 'tq2_0' else 'qs'}), moderate d", out
     grid, per_block = {
         "iq2_xxs": (256, 32),
         "iq2_xs": (512, 32),

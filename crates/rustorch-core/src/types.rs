@@ -39,10 +39,13 @@ pub enum GgmlType {
     TQ1_0 = 34,
     TQ2_0 = 35,
     MXFP4 = 39,
+    NVFP4 = 40,
+    Q1_0 = 41,
+    Q2_0 = 42,
 }
 
 /// Every type this crate knows, in id order.
-pub const ALL_TYPES: [GgmlType; 32] = [
+pub const ALL_TYPES: [GgmlType; 35] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Q4_0,
@@ -75,6 +78,9 @@ pub const ALL_TYPES: [GgmlType; 32] = [
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::MXFP4,
+    GgmlType::NVFP4,
+    GgmlType::Q1_0,
+    GgmlType::Q2_0,
 ];
 
 impl GgmlType {
@@ -93,6 +99,8 @@ impl GgmlType {
         match self {
             F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL | MXFP4 => 32,
+            NVFP4 | Q2_0 => 64,
+            Q1_0 => 128,
             _ => 256,
         }
     }
@@ -131,6 +139,9 @@ impl GgmlType {
             TQ1_0 => 54,
             TQ2_0 => 66,
             MXFP4 => 17,
+            NVFP4 => 36,
+            Q1_0 => 18,
+            Q2_0 => 18,
         }
     }
 
@@ -180,6 +191,9 @@ impl GgmlType {
             TQ1_0 => "tq1_0",
             TQ2_0 => "tq2_0",
             MXFP4 => "mxfp4",
+            NVFP4 => "nvfp4",
+            Q1_0 => "q1_0",
+            Q2_0 => "q2_0",
         }
     }
 

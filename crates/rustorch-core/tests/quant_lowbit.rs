@@ -1,18 +1,18 @@
 //! The low-bit formats against ggml itself: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-//! IQ3_S, TQ1_0, TQ2_0 and MXFP4.
+//! IQ3_S, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0 and Q2_0.
 //!
 //! `scripts/record_lowbit_fixtures.py` recorded, from libggml-base's `to_float` (llama.cpp
 //! vendored in llama-cpp-python 0.3.36), per type in `tests/fixtures/quant/<type>.json`:
 //!
 //! * `edge_blocks`: hand-made blocks (every f16 scale class incl. ±0, subnormals, the largest
 //!   finite value, ±inf and NaNs with payloads; payloads of all-zero and all-one bits; MXFP4's
-//!   E8M0 scale at its limits with every code) and ggml's f32 output, compared element for
-//!   element as bit patterns;
+//!   E8M0 and NVFP4's UE4M3 scales at their limits with every code) and ggml's f32 output,
+//!   compared element for element as bit patterns;
 //! * `random_blocks`: random bytes, element for element;
 //! * `sweep`: blocks that together use every entry of the format's lookup table (grid, byte
 //!   values, exponents), one SHA-256 of ggml's output per block;
 //! * `bulk`: SHA-256 of ggml's dequantization of 16384 blocks of generated arbitrary bytes;
-//! * for TQ1_0, TQ2_0 and MXFP4, which we also quantize, `extra_cases`: inputs aimed at those
+//! * for the formats we also quantize (all but the grid i-quants), `extra_cases`: inputs aimed at those
 //!   quantizers (rounding ties, maxima around powers of two, subnormal/huge maxima, NaN/inf at
 //!   block ends) with ggml's bytes and their dequantization. (Their `cases` and `bulk`
 //!   quantization digests over the shared inputs are checked by `quant_reference.rs`.)
@@ -26,7 +26,7 @@ use rustorch_core::GgmlType;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const TYPES: [GgmlType; 10] = [
+const TYPES: [GgmlType; 13] = [
     GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
@@ -37,6 +37,19 @@ const TYPES: [GgmlType; 10] = [
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::MXFP4,
+    GgmlType::NVFP4,
+    GgmlType::Q1_0,
+    GgmlType::Q2_0,
+];
+
+/// The ones we also quantize.
+const QUANTIZED: [GgmlType; 6] = [
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
+    GgmlType::MXFP4,
+    GgmlType::NVFP4,
+    GgmlType::Q1_0,
+    GgmlType::Q2_0,
 ];
 
 fn load(ty: GgmlType) -> Value {
@@ -161,7 +174,7 @@ fn every_lowbit_type_dequantizes() {
     for ty in TYPES {
         assert!(quant::supports_dequantize(ty), "{ty}");
     }
-    for ty in [GgmlType::TQ1_0, GgmlType::TQ2_0, GgmlType::MXFP4] {
+    for ty in QUANTIZED {
         assert!(quant::supports_quantize(ty), "{ty}");
     }
 }
@@ -265,7 +278,7 @@ fn bulk_random_blocks_match_ggml_digests() {
 #[test]
 fn quantize_extra_cases_match_ggml() {
     let mut failures = Vec::new();
-    for ty in [GgmlType::TQ1_0, GgmlType::TQ2_0, GgmlType::MXFP4] {
+    for ty in QUANTIZED {
         let v = load(ty);
         let cases = v["extra_cases"].as_array().expect("extra_cases");
         let (mut blocks, mut equal) = (0, 0);
@@ -321,4 +334,7 @@ fn block_bytes_round_trip() {
     check!(BlockTq1_0);
     check!(BlockTq2_0);
     check!(BlockMxfp4);
+    check!(BlockNvfp4);
+    check!(BlockQ1_0);
+    check!(BlockQ2_0);
 }

@@ -1,7 +1,8 @@
 //! `quant` against ggml itself.
 //!
 //! The fixtures in `tests/fixtures/quant/` were recorded from libggml-base (llama.cpp vendored in
-//! llama-cpp-python 0.3.36) by `scripts/record_quant_fixtures.py` (TQ1_0, TQ2_0 and MXFP4 by
+//! llama-cpp-python 0.3.36) by `scripts/record_quant_fixtures.py` (TQ1_0, TQ2_0, MXFP4, NVFP4,
+//! Q1_0 and Q2_0 by
 //! `scripts/record_lowbit_fixtures.py`, in the same layout; `quant_lowbit.rs` checks the rest of
 //! those files and the dequantize-only grid i-quants): shared f32 inputs (Gaussian,
 //! zeros, tiny and f16-subnormal magnitudes, outliers, one-signed, huge ranges, ties, NaN/inf,
@@ -25,7 +26,7 @@ use rustorch_core::GgmlType;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const TYPES: [GgmlType; 20] = [
+const TYPES: [GgmlType; 23] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -46,6 +47,9 @@ const TYPES: [GgmlType; 20] = [
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::MXFP4,
+    GgmlType::NVFP4,
+    GgmlType::Q1_0,
+    GgmlType::Q2_0,
 ];
 
 fn fixture_dir() -> PathBuf {
@@ -457,6 +461,14 @@ fn bulk_matches_ggml_digests() {
 ///   and values above `1.5·2^E` clamp to it, less than `a - 0.75a` away since `a < 2^(E+1)`:
 ///   `0.25a`, with no rounding term (the scale is a power of two). Maxima below 2^-125 wrap the
 ///   E8M0 byte, as in ggml, and fall under the absolute floor.
+/// * NVFP4 (per 16 weights `s = UE4M3(m/6)`, `m` their largest magnitude, codes up to `6s`):
+///   the scale keeps 3 mantissa bits (rounding ≤ 1/16 relative), the widest code step is 4s → 6s
+///   (half: `s ≈ a/6 · 17/16`), and the clamp at `6s` costs at most `a/17`: 0.18a. Subnormal
+///   scales (below 2^-6, step 2^-10 after halving) add `6 · 2^-10` absolutely. Scales of 256 or
+///   more all become 448 (ggml's encoder maps exponent 15 to 0x7E), so magnitudes above
+///   `6 · 256` are skipped, as overflowing f16 scales are.
+/// * Q1_0 (`±d`, `d` = mean magnitude ≤ a): at most `a` away, plus f16 rounding of `d`.
+/// * Q2_0 (`d = a`, codes -1..=2): half a step `a/2`, plus f16 rounding of `d`.
 /// * Groups with magnitude below ggml's `GROUP_MAX_EPS` (1e-15) are zeroed on purpose, so every
 ///   bound has an absolute floor of 1e-15 on top of the f16-subnormal term.
 fn error_bound(ty: GgmlType, a: f32) -> f32 {
@@ -487,6 +499,9 @@ fn bound_terms(ty: GgmlType) -> (f32, f32) {
         Q6_K => (2.0 / 63.0 + 4.0 * u, 32.0 * 128.0 * s),
         TQ1_0 | TQ2_0 => (0.5 + u, s),
         MXFP4 => (0.25, 0.0),
+        NVFP4 => (0.18, 6.0 * 2f32.powi(-10)),
+        Q1_0 => (1.0 + u, s),
+        Q2_0 => (0.5 + u, s),
         _ => unreachable!("not a tested type"),
     }
 }
@@ -520,13 +535,16 @@ fn round_trip_error_within_bounds() {
             quant::dequantize(ty, &q, &mut y).expect("dequantize");
             for (xb, yb) in case.x.chunks(block).zip(y.chunks(block)) {
                 let a = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-                // f16 scales and mins overflow near 65504 (Q8_K's scale is an f32).
-                if a > 60000.0
-                    && !matches!(
-                        ty,
-                        GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_K | GgmlType::MXFP4
-                    )
-                {
+                // f16 scales and mins overflow near 65504 (Q8_K's scale is an f32, MXFP4's a
+                // power of two up to 2^127); NVFP4's scales of 256 and up all become 448.
+                let limit = match ty {
+                    GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_K | GgmlType::MXFP4 => {
+                        f32::INFINITY
+                    }
+                    GgmlType::NVFP4 => 1500.0,
+                    _ => 60000.0,
+                };
+                if a > limit {
                     skipped += 1;
                     continue;
                 }

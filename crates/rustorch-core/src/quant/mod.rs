@@ -37,7 +37,9 @@
 //! * [`iqgrid`]: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (super-blocks of 256 over
 //!   the lookup tables of [`grids`], generated from ggml's `ggml-common.h`); dequantization only
 //! * [`ternary`]: TQ1_0, TQ2_0 (super-blocks of 256)
-//! * [`mxfp4`]: MXFP4, blocks of 32 with a power-of-two (E8M0) scale
+//! * [`mxfp4`]: MXFP4, blocks of 32 with a power-of-two (E8M0) scale; NVFP4, blocks of 64 with
+//!   four UE4M3 scales
+//! * [`q1q2`]: Q1_0 (sign bits, blocks of 128) and Q2_0 (2 bits, blocks of 64)
 //!
 //! Every format here dequantizes ([`supports_dequantize`]); all but the grid i-quants also
 //! quantize ([`supports_quantize`]). ggml's grid i-quant quantizers need an importance matrix and
@@ -53,6 +55,7 @@ pub mod iquants;
 pub mod kquants;
 pub mod legacy;
 pub mod mxfp4;
+pub mod q1q2;
 pub mod ternary;
 
 pub use float::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_f16_row};
@@ -62,7 +65,8 @@ pub use iqgrid::{
 pub use iquants::{BlockIq4Nl, BlockIq4Xs, IQ4NL_VALUES};
 pub use kquants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, QK_K};
 pub use legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1, QK};
-pub use mxfp4::{BlockMxfp4, QK_MXFP4};
+pub use mxfp4::{BlockMxfp4, BlockNvfp4, QK_MXFP4, QK_NVFP4};
+pub use q1q2::{BlockQ1_0, BlockQ2_0, QK1_0, QK2_0};
 pub use ternary::{BlockTq1_0, BlockTq2_0};
 
 use crate::types::GgmlType;
@@ -129,6 +133,9 @@ pub fn supports_quantize(ty: GgmlType) -> bool {
             | TQ1_0
             | TQ2_0
             | MXFP4
+            | NVFP4
+            | Q1_0
+            | Q2_0
     )
 }
 
@@ -189,6 +196,9 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
         TQ1_0 => blocks_to_f32(src, dst, |b, y| BlockTq1_0::from_bytes(b).dequantize(y)),
         TQ2_0 => blocks_to_f32(src, dst, |b, y| BlockTq2_0::from_bytes(b).dequantize(y)),
         MXFP4 => blocks_to_f32(src, dst, |b, y| BlockMxfp4::from_bytes(b).dequantize(y)),
+        NVFP4 => blocks_to_f32(src, dst, |b, y| BlockNvfp4::from_bytes(b).dequantize(y)),
+        Q1_0 => blocks_to_f32(src, dst, |b, y| BlockQ1_0::from_bytes(b).dequantize(y)),
+        Q2_0 => blocks_to_f32(src, dst, |b, y| BlockQ2_0::from_bytes(b).dequantize(y)),
         _ => return Err(QuantError::Unsupported(ty)),
     }
     Ok(())
@@ -242,6 +252,9 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         TQ1_0 => f32_to_blocks(src, dst, |x, b| *b = BlockTq1_0::quantize(x).to_bytes()),
         TQ2_0 => f32_to_blocks(src, dst, |x, b| *b = BlockTq2_0::quantize(x).to_bytes()),
         MXFP4 => f32_to_blocks(src, dst, |x, b| *b = BlockMxfp4::quantize(x).to_bytes()),
+        NVFP4 => f32_to_blocks(src, dst, |x, b| *b = BlockNvfp4::quantize(x).to_bytes()),
+        Q1_0 => f32_to_blocks(src, dst, |x, b| *b = BlockQ1_0::quantize(x).to_bytes()),
+        Q2_0 => f32_to_blocks(src, dst, |x, b| *b = BlockQ2_0::quantize(x).to_bytes()),
         _ => return Err(QuantError::Unsupported(ty)),
     }
     Ok(())
@@ -409,6 +422,9 @@ mod tests {
             (GgmlType::TQ1_0, size_of::<BlockTq1_0>()),
             (GgmlType::TQ2_0, size_of::<BlockTq2_0>()),
             (GgmlType::MXFP4, size_of::<BlockMxfp4>()),
+            (GgmlType::NVFP4, size_of::<BlockNvfp4>()),
+            (GgmlType::Q1_0, size_of::<BlockQ1_0>()),
+            (GgmlType::Q2_0, size_of::<BlockQ2_0>()),
         ];
         for (ty, size) in sizes {
             assert_eq!(ty.type_size(), size, "{ty}");
