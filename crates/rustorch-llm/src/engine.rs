@@ -223,6 +223,7 @@ pub fn generate(
     for &t in prompt {
         sampler.accept(t);
     }
+    sampler.restart_grammar();
     let t1 = Instant::now();
     let mut stream = TextStream::new(params.stop.clone());
     let mut tokens = Vec::new();
@@ -231,12 +232,15 @@ pub fn generate(
             break StopReason::Length;
         }
         let token = sampler.sample(&logits);
-        sampler.accept(token);
-        if tokenizer.is_eog(token) && !params.ignore_eos {
+        let bytes = tokenizer.token_to_piece(token, false);
+        // with an active grammar an end-of-generation token means it is complete
+        let grammar_end = sampler.grammar_active();
+        sampler.accept_generated(token, &bytes);
+        if tokenizer.is_eog(token) && (!params.ignore_eos || grammar_end) {
             break StopReason::EndOfGeneration;
         }
         tokens.push(token);
-        let (piece, stopped) = stream.push(&tokenizer.token_to_piece(token, false));
+        let (piece, stopped) = stream.push(&bytes);
         if !piece.is_empty() && !on_text(&piece) {
             break StopReason::Cancelled;
         }

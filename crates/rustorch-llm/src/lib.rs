@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod chat;
 pub mod engine;
+pub mod grammar;
 pub use rustorch_core::kv_cache;
 pub mod model;
 pub mod sampler;

@@ -8,6 +8,10 @@
 //! 3. top-k, 4. typical-p, 5. top-p, 6. min-p, 7. temperature,
 //! 8. a draw from the softmax of what is left.
 //!
+//! With a grammar ([`Sampler::set_grammar`]), the tokens it does not allow get `-inf`
+//! before the chain runs (llama.cpp applies its grammar sampler first too), so every
+//! stage and the draw see only allowed tokens.
+//!
 //! Each stage is a public function on a [`Candidates`] list so that it can be tested on
 //! its own; [`Sampler`] strings them together and keeps the state (penalty history and
 //! random number generator).
@@ -20,6 +24,8 @@
 
 use std::cmp::Ordering;
 use std::collections::{HashMap, VecDeque};
+
+use crate::grammar::Constraint;
 
 /// Errors reported by [`SamplerParams::validate`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -667,6 +673,10 @@ pub struct Sampler {
     window: VecDeque<u32>,
     counts: HashMap<u32, u32>,
     scratch: Candidates,
+    /// The grammar that restricts the tokens, if any.
+    grammar: Option<Constraint>,
+    /// Logits with the grammar's mask applied.
+    masked: Vec<f32>,
 }
 
 impl Sampler {
@@ -724,7 +734,29 @@ impl Sampler {
             window: VecDeque::new(),
             counts: HashMap::new(),
             scratch: Candidates::default(),
+            grammar: None,
+            masked: Vec::new(),
         }
+    }
+
+    /// Restricts the tokens to those `grammar` allows from now on (`None` lifts it).
+    /// Generated tokens must then be recorded with
+    /// [`accept_generated`](Self::accept_generated), which advances the grammar.
+    pub fn set_grammar(&mut self, grammar: Option<Constraint>) {
+        self.grammar = grammar;
+    }
+
+    pub fn grammar(&self) -> Option<&Constraint> {
+        self.grammar.as_ref()
+    }
+
+    pub fn grammar_mut(&mut self) -> Option<&mut Constraint> {
+        self.grammar.as_mut()
+    }
+
+    /// Whether a grammar restricts the next token (a lazy one only once triggered).
+    pub fn grammar_active(&self) -> bool {
+        self.grammar.as_ref().is_some_and(Constraint::is_active)
     }
 
     pub fn params(&self) -> &SamplerParams {
@@ -786,7 +818,33 @@ impl Sampler {
     /// Picks the next token from `logits` (one row of the model's output). Does not
     /// record it: call [`accept`](Self::accept) with the token that is kept. Returns 0
     /// for empty logits.
+    ///
+    /// With an active grammar only tokens it allows are picked; when it allows nothing
+    /// but the end (or every token it allows is banned), an end-of-generation token.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let Some(g) = self.grammar.as_mut().filter(|g| g.is_active()) else {
+            return self.sample_free(logits);
+        };
+        let mut buf = std::mem::take(&mut self.masked);
+        buf.clear();
+        buf.extend_from_slice(logits);
+        let any = g.apply(&mut buf);
+        let eos = g.eos();
+        let token = if any {
+            let t = self.sample_free(&buf);
+            match buf.get(t as usize) {
+                Some(l) if *l > f32::NEG_INFINITY => t,
+                _ => eos,
+            }
+        } else {
+            eos
+        };
+        self.masked = buf;
+        token
+    }
+
+    /// [`sample`](Self::sample) without the grammar.
+    fn sample_free(&mut self, logits: &[f32]) -> u32 {
         let mut c = std::mem::take(&mut self.scratch);
         let p = &self.params;
         let token = if p.temperature <= 0.0 && p.typical_p >= 1.0 {
@@ -869,9 +927,28 @@ impl Sampler {
         *self.counts.entry(token).or_insert(0) += 1;
     }
 
+    /// Records a generated token: for the penalties, like [`accept`](Self::accept), and
+    /// for the grammar, which advances past it (`piece`: the token's bytes, which a lazy
+    /// grammar searches for its trigger).
+    pub fn accept_generated(&mut self, token: u32, piece: &[u8]) {
+        self.accept(token);
+        if let Some(g) = self.grammar.as_mut() {
+            g.accept(token, piece);
+        }
+    }
+
+    /// Puts the grammar back to its start (a new reply in a conversation).
+    pub fn restart_grammar(&mut self) {
+        if let Some(g) = self.grammar.as_mut() {
+            g.reset();
+        }
+    }
+
     /// Forgets the penalty window and restarts the generator: from the same seed when
-    /// one was given, from a new random one (see [`seed`](Self::seed)) otherwise.
+    /// one was given, from a new random one (see [`seed`](Self::seed)) otherwise. The
+    /// grammar starts over too.
     pub fn reset(&mut self) {
+        self.restart_grammar();
         self.window.clear();
         self.counts.clear();
         self.seed = pick_seed(self.params.seed);

@@ -56,6 +56,7 @@ use std::time::{Duration, Instant};
 
 use crate::batch::{Batch, SeqId};
 use crate::engine::{TextStream, DEFAULT_N_BATCH};
+use crate::grammar::Constraint;
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardOutput, Model, ModelError, Runtime};
 use crate::sampler::{logprobs, Logprobs, Sampler, SamplerParams};
@@ -113,6 +114,9 @@ pub struct GenRequest {
     /// `Some(n)`: report the log-probability of each generated token and of the `n`
     /// most likely ones.
     pub logprobs: Option<usize>,
+    /// A grammar the output must follow (compiled with
+    /// [`GrammarEngine::compile`](crate::grammar::GrammarEngine::compile)).
+    pub grammar: Option<Constraint>,
 }
 
 /// Why a request ended.
@@ -625,7 +629,7 @@ impl Engine {
         }
     }
 
-    fn admit(&mut self, p: Pending) {
+    fn admit(&mut self, mut p: Pending) {
         let Some(i) = self.slots.iter().position(Option::is_none) else {
             // cannot happen: wait_for_work admits only as many as there are free slots
             self.finish_pending(p);
@@ -637,6 +641,7 @@ impl Engine {
         for &t in &p.req.prompt {
             sampler.accept(t);
         }
+        sampler.set_grammar(p.req.grammar.take());
         tracing::debug!(
             id = p.id,
             slot = i,
@@ -979,11 +984,14 @@ impl Engine {
             return;
         };
         let token = s.sampler.sample(logits);
-        s.sampler.accept(token);
+        let bytes = tokenizer.token_to_piece(token, false);
+        // with an active grammar an end-of-generation token means it is complete
+        let grammar_end = s.sampler.grammar_active();
+        s.sampler.accept_generated(token, &bytes);
         if s.first_token.is_none() {
             s.first_token = Some(Instant::now());
         }
-        let outcome = if tokenizer.is_eog(token) && !s.req.sampling.ignore_eos {
+        let outcome = if tokenizer.is_eog(token) && (!s.req.sampling.ignore_eos || grammar_end) {
             Some((FinishReason::Stop, false))
         } else {
             s.n_gen += 1;
@@ -995,7 +1003,7 @@ impl Engine {
                 c.decode_tokens.fetch_add(1, Ordering::Relaxed);
             }
             let lp = s.req.logprobs.map(|n| logprobs(logits, token, n));
-            let (text, stopped) = s.stream.push(&tokenizer.token_to_piece(token, false));
+            let (text, stopped) = s.stream.push(&bytes);
             let delivered = s.sink.send(Event::Token {
                 token: Some(token),
                 text,
