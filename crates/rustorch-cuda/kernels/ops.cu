@@ -67,6 +67,12 @@ extern "C" __global__ void rope(float *x, const float *__restrict__ cs, const fl
     hp[i1] = __fmaf_rn(x0, s, __fmul_rn(x1, c));
 }
 
+extern "C" __global__ void copy_f32(float *__restrict__ x, const float *__restrict__ y,
+                                    long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = y[i];
+}
+
 extern "C" __global__ void add_f32(float *x, const float *__restrict__ y, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] + y[i];

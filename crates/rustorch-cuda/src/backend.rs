@@ -6,6 +6,8 @@
 //! ([`CudaKvStore`], which `Model::new_cache` gives a cache of a model placed here), and
 //! each forward call uploads only small descriptors once (the slot of every new cell, and
 //! the slots and positions of the cells of the batch's sequences), shared by all layers.
+//! A model's calls share a [`CudaState`]: [`Cuda::prepare`] uploads all of a call's inputs
+//! in one copy, and [`Cuda::run`] replays decode steps as CUDA graphs (see [`crate::step`]).
 //!
 //! Ops of the trait that return nothing cannot report a failed launch; the first such error
 //! is kept and returned by the next op that returns a `Result` (or by [`Cuda::finish`]).
@@ -16,10 +18,12 @@ use rustorch_core::backend::{AttnSpec, Backend, BackendError, Device, Glu, Moe, 
 use rustorch_core::kernels::ops::Rope;
 use rustorch_core::kv_cache::{KvCache, SeqId};
 
+use crate::device::LaunchMode;
 use crate::device::{CudaDevice, GpuVec};
 use crate::error::CudaError;
-use crate::kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
+use crate::kernels::{AttnRow, AttnShape, CudaMatrix};
 use crate::kv::CudaKvStore;
+use crate::step::{self, Captured, CudaState, GraphBox};
 
 fn be_err(e: CudaError) -> BackendError {
     BackendError::Device(e.to_string())
@@ -58,14 +62,21 @@ pub struct CudaAngles {
 /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph.
 pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
 
+/// The state a call uses: its own, or its model's.
+enum StateRef<'a> {
+    Own(Box<CudaState>),
+    Model(&'a mut CudaState),
+}
+
 /// One forward call on the GPU.
 pub struct Cuda<'a> {
     dev: &'a CudaDevice,
-    s: Scratch,
+    st: StateRef<'a>,
     hook: Option<&'a TensorHook>,
     /// The first error of an op that cannot return one.
     err: Option<CudaError>,
-    tmp: GpuVec<f32>,
+    /// Buffers read while launches were recorded: (address, length).
+    reads: Vec<(u64, usize)>,
     /// This call's attention inputs, uploaded by its first attention op, and the layer of
     /// the last attention op (a layer not after it starts another forward call).
     attn_in: Option<AttnInputs>,
@@ -75,17 +86,189 @@ pub struct Cuda<'a> {
 }
 
 impl<'a> Cuda<'a> {
+    /// A call with its own scratch state (nothing kept for later calls).
     pub fn new(dev: &'a CudaDevice, hook: Option<&'a TensorHook>) -> Self {
+        Self::with(dev, StateRef::Own(Box::default()), hook)
+    }
+
+    /// A call using (and keeping buffers and graphs in) a model's state.
+    pub fn with_state(
+        dev: &'a CudaDevice,
+        state: &'a mut CudaState,
+        hook: Option<&'a TensorHook>,
+    ) -> Self {
+        Self::with(dev, StateRef::Model(state), hook)
+    }
+
+    fn with(dev: &'a CudaDevice, st: StateRef<'a>, hook: Option<&'a TensorHook>) -> Self {
         Cuda {
             dev,
-            s: Scratch::default(),
+            st,
             hook,
             err: None,
-            tmp: GpuVec::default(),
+            reads: Vec::new(),
             attn_in: None,
             attn_layer: 0,
             layer: 0,
         }
+    }
+
+    fn st(&mut self) -> &mut CudaState {
+        match &mut self.st {
+            StateRef::Own(b) => b,
+            StateRef::Model(m) => m,
+        }
+    }
+
+    /// Uploads the call's inputs (see [`crate::step`]) in one copy: `tokens`, each row's
+    /// position and sequence, its new cell in `cache`, and the rows that want logits. Ops
+    /// given these same values read them in place.
+    pub fn prepare(
+        &mut self,
+        tokens: &[u32],
+        rows: Rows<'_>,
+        cells: &[usize],
+        out_rows: &[usize],
+        cache: &KvCache,
+    ) -> Result<(), BackendError> {
+        let n = tokens.len();
+        if rows.positions.len() != n || rows.seq_ids.len() != n || cells.len() != n {
+            return Err(be_err(CudaError::Unsupported(
+                "prepare: batch fields of different lengths".into(),
+            )));
+        }
+        let mut new_slots = Vec::with_capacity(n);
+        for (i, &cell) in cells.iter().enumerate() {
+            let slot = cache
+                .seq(rows.seq_ids[i])
+                .and_then(|c| c.slots.get(cell))
+                .copied()
+                .ok_or_else(|| {
+                    be_err(CudaError::Unsupported(format!(
+                        "batch row {i}: cell {cell} of sequence {} is not in the cache",
+                        rows.seq_ids[i]
+                    )))
+                })?;
+            new_slots.push(slot);
+        }
+        let mut ids: Vec<SeqId> = rows.seq_ids.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let seqs: Vec<(u32, &[u32], &[u32])> = ids
+            .iter()
+            .filter_map(|&id| cache.seq(id).map(|c| (id, &c.slots[..], &c.pos[..])))
+            .collect();
+        let dev = self.dev;
+        self.st()
+            .inp
+            .upload(
+                dev,
+                tokens,
+                rows.positions,
+                rows.seq_ids,
+                cells,
+                &new_slots,
+                out_rows,
+                &seqs,
+            )
+            .map_err(be_err)
+    }
+
+    /// Runs one call: `f` is the architecture's forward pass on this backend. With `graph`
+    /// (a decode step without hooks), the call may be replayed from, or captured into, a
+    /// CUDA graph (see [`crate::step`]); then `f`'s own reads return nothing and the second
+    /// value holds the values of the one buffer it read (the logits). `f` may run more than
+    /// once. Waits for the device before returning.
+    pub fn run<T, E: From<BackendError>>(
+        &mut self,
+        graph: bool,
+        mut f: impl FnMut(&mut Self) -> Result<T, E>,
+    ) -> Result<(T, Option<Vec<f32>>), E> {
+        if !graph || self.hook.is_some() || !step::graphs_enabled() {
+            return self.eager(&mut f);
+        }
+        let dev = self.dev;
+        // dry run: the signature of what the call would launch
+        self.reset_call();
+        dev.set_launch_mode(LaunchMode::DryRun);
+        let dry = f(self);
+        let (sig, launches) = dev.launch_signature();
+        dev.set_launch_mode(LaunchMode::Run);
+        let reads = std::mem::take(&mut self.reads);
+        let clean = dry.is_ok() && self.err.is_none() && reads.len() == 1 && launches > 0;
+        if !clean || self.st().graphs.bad.contains(&sig) {
+            return self.eager(&mut f);
+        }
+        let Ok(out) = dry else {
+            return self.eager(&mut f);
+        };
+        let read = reads[0];
+        let g = &mut self.st().graphs;
+        if let Some(c) = g.find(sig) {
+            let r = c.graph.0.launch();
+            g.stats.replayed += 1;
+            r.map_err(|e| be_err(e.into()))?;
+            return Ok((out, Some(self.read_back(read)?)));
+        }
+        // capture the call (nothing runs), check that it launched the same, replay it
+        self.reset_call();
+        let cap = step::capture(dev, || {
+            dev.set_launch_mode(LaunchMode::Record);
+            let r = f(self);
+            let s = dev.launch_signature();
+            dev.set_launch_mode(LaunchMode::Run);
+            (r.is_ok(), s)
+        });
+        let reads = std::mem::take(&mut self.reads);
+        let graph = match cap {
+            Ok(((true, (sig2, _)), Ok(Some(graph))))
+                if sig2 == sig && self.err.is_none() && reads == [read] =>
+            {
+                graph
+            }
+            _ => {
+                let g = &mut self.st().graphs;
+                g.bad.push(sig);
+                g.stats.failed += 1;
+                return self.eager(&mut f);
+            }
+        };
+        let r = graph.launch();
+        let g = &mut self.st().graphs;
+        g.stats.captured += 1;
+        g.insert(Captured {
+            sig,
+            graph: GraphBox(graph),
+            used: g.tick,
+        });
+        r.map_err(|e| be_err(e.into()))?;
+        Ok((out, Some(self.read_back(read)?)))
+    }
+
+    fn eager<T, E: From<BackendError>>(
+        &mut self,
+        f: &mut impl FnMut(&mut Self) -> Result<T, E>,
+    ) -> Result<(T, Option<Vec<f32>>), E> {
+        self.reset_call();
+        self.st().graphs.stats.eager += 1;
+        let out = f(self)?;
+        self.finish()?;
+        Ok((out, None))
+    }
+
+    /// Forgets what the last run of the architecture's code left behind.
+    fn reset_call(&mut self) {
+        self.err = None;
+        self.reads.clear();
+        self.attn_in = None;
+        self.attn_layer = 0;
+        self.layer = 0;
+    }
+
+    /// Values of a device buffer (waits for the stream).
+    fn read_back(&mut self, (ptr, len): (u64, usize)) -> Result<Vec<f32>, BackendError> {
+        // SAFETY: the buffer was read by the call (it is a live workspace buffer).
+        unsafe { self.dev.read_raw::<f32>(ptr, len) }.map_err(be_err)
     }
 
     /// Waits for the queued ops and returns the first error of the call, if any.
@@ -132,13 +315,24 @@ impl<'a> Cuda<'a> {
         if let Some(e) = store.error() {
             return Err(CudaError::Driver(e.to_string()));
         }
-        if self.attn_in.is_none() || spec.layer <= self.attn_layer {
-            self.attn_in = None;
-            self.attn_in = Some(AttnInputs::upload(self.dev, rows, cache, cells)?);
-        }
-        self.attn_layer = spec.layer;
-        let Some(ai) = self.attn_in.as_ref() else {
-            return Ok(());
+        let dev = self.dev;
+        let inp = &self.st().inp;
+        let prepared = inp.valid
+            && inp.positions == rows.positions
+            && inp.seq_ids == rows.seq_ids
+            && inp.cells == cells;
+        let (slots, descs, max_cells) = if prepared {
+            (inp.at(inp.slot_off), inp.at(inp.desc_off), inp.max_cells)
+        } else {
+            if self.attn_in.is_none() || spec.layer <= self.attn_layer {
+                self.attn_in = None;
+                self.attn_in = Some(AttnInputs::upload(dev, rows, cache, cells)?);
+            }
+            self.attn_layer = spec.layer;
+            let Some(ai) = self.attn_in.as_ref() else {
+                return Ok(());
+            };
+            (ai.buf.ptr(), ai.rows.ptr(), ai.max_cells)
         };
         let (kvd, n, l) = (cache.kv_dim(), cells.len(), spec.layer);
         if l >= store.n_layer() || kvd != store.kv_dim() {
@@ -157,29 +351,22 @@ impl<'a> Cuda<'a> {
             softcap: spec.softcap,
             window: spec.window.unwrap_or(0),
         };
+        let (lk, lv) = (store.layer_k(l), store.layer_v(l));
         // SAFETY: the slots come from the cache's bookkeeping, below the store's slot
-        // count; the descriptors point into `ai.buf`, which lives as long as this call.
+        // count; the descriptors point into buffers that live as long as this call.
         unsafe {
-            self.dev.kv_write(
-                k,
-                v,
-                kvd,
-                store.layer_k(l),
-                store.layer_v(l),
-                ai.buf.ptr(),
-                n,
-            )?;
-            self.dev.attention(
+            dev.kv_write(k, v, kvd, lk, lv, slots, n)?;
+            dev.attention(
                 &shape,
                 q,
-                store.layer_k(l),
-                store.layer_v(l),
-                ai.rows.ptr(),
+                lk,
+                lv,
+                descs,
                 n,
-                ai.max_cells,
+                max_cells,
                 out,
                 None,
-                &mut self.s,
+                &mut self.st().s,
             )
         }
     }
@@ -264,8 +451,15 @@ impl<'a> Backend for Cuda<'a> {
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
         self.check()?;
-        self.dev
-            .get_rows(table, tokens, out, &mut self.s)
+        let dev = self.dev;
+        let inp = &self.st().inp;
+        if inp.valid && inp.tokens == tokens && tokens.iter().all(|&t| (t as usize) < table.n_rows)
+        {
+            let ids = inp.at(inp.tok_off);
+            // SAFETY: the prepared ids are these tokens, checked against the table.
+            return unsafe { dev.get_rows_at(table, ids, tokens.len(), out) }.map_err(be_err);
+        }
+        dev.get_rows(table, tokens, out, &mut self.st().s)
             .map_err(be_err)
     }
 
@@ -286,7 +480,8 @@ impl<'a> Backend for Cuda<'a> {
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
         self.check()?;
-        self.dev.matmul(w, x, out, &mut self.s).map_err(be_err)
+        let dev = self.dev;
+        dev.matmul(w, x, out, &mut self.st().s).map_err(be_err)
     }
 
     fn matmul_many(
@@ -296,8 +491,8 @@ impl<'a> Backend for Cuda<'a> {
         outs: &mut [&mut GpuVec<f32>],
     ) -> Result<(), BackendError> {
         self.check()?;
-        self.dev
-            .matmul_many(ws, x, outs, &mut self.s)
+        let dev = self.dev;
+        dev.matmul_many(ws, x, outs, &mut self.st().s)
             .map_err(be_err)
     }
 
@@ -311,8 +506,8 @@ impl<'a> Backend for Cuda<'a> {
         up: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
         self.check()?;
-        self.dev
-            .matmul_many(&[wg, wu], x, &mut [&mut *gate, &mut *up], &mut self.s)
+        let dev = self.dev;
+        dev.matmul_many(&[wg, wu], x, &mut [&mut *gate, &mut *up], &mut self.st().s)
             .map_err(be_err)?;
         if self.hook.is_some() {
             let il = self.layer;
@@ -360,10 +555,19 @@ impl<'a> Backend for Cuda<'a> {
         freqs: Option<&GpuVec<f32>>,
         out: &mut CudaAngles,
     ) {
-        let r = out.pos.write(self.dev, positions).and_then(|_| {
-            self.dev
-                .rope_angles(rope, &out.pos, freqs, &mut out.cos, &mut out.sin)
-        });
+        let dev = self.dev;
+        let inp = &self.st().inp;
+        let r = if inp.valid && inp.positions == positions {
+            let p = inp.at(inp.pos_off);
+            // SAFETY: the prepared positions are these.
+            unsafe {
+                dev.rope_angles_at(rope, p, positions.len(), freqs, &mut out.cos, &mut out.sin)
+            }
+        } else {
+            out.pos
+                .write(dev, positions)
+                .and_then(|_| dev.rope_angles(rope, &out.pos, freqs, &mut out.cos, &mut out.sin))
+        };
         self.keep(r);
     }
 
@@ -388,15 +592,40 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn keep_rows(&mut self, x: &mut GpuVec<f32>, width: usize, rows: &[usize]) {
-        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let r = self
-            .dev
-            .gather_rows(x, width, &ids, &mut self.tmp, &mut self.s);
+        if x.len() == rows.len() * width && rows.iter().enumerate().all(|(i, &r)| i == r) {
+            return;
+        }
+        let dev = self.dev;
+        let st = self.st();
+        let ok = rows.iter().all(|&r| (r + 1) * width <= x.len());
+        let r = if ok
+            && st.inp.valid
+            && st.inp.out_rows.len() == rows.len()
+            && st
+                .inp
+                .out_rows
+                .iter()
+                .zip(rows)
+                .all(|(&a, &b)| a as usize == b)
+        {
+            let p = st.inp.at(st.inp.out_off);
+            // SAFETY: the prepared row numbers are these, checked against `x`.
+            unsafe { dev.gather_rows_at(x, width, p, rows.len(), &mut st.tmp) }
+        } else {
+            let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            dev.gather_rows(x, width, &ids, &mut st.tmp, &mut st.s)
+        };
+        // copied back rather than swapped: x keeps its buffer, so running the call's code
+        // again (a graph's dry run, then its capture) launches the same
+        let r = r.and_then(|_| dev.copy(x, &st.tmp));
         self.keep(r);
-        std::mem::swap(x, &mut self.tmp);
     }
 
     fn read<'b>(&mut self, x: &'b GpuVec<f32>) -> Cow<'b, [f32]> {
+        if self.dev.launch_mode() != LaunchMode::Run {
+            self.reads.push((x.ptr(), x.len()));
+            return Cow::Owned(Vec::new());
+        }
         match x.read(self.dev) {
             Ok(v) => Cow::Owned(v),
             Err(e) => {

@@ -2,7 +2,7 @@
 //! (from the on-disk cache, or compiled with NVRTC on first use).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use cudarc::driver::{
@@ -73,8 +73,36 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
+    rec: Arc<Mutex<Recorder>>,
     pub info: DeviceInfo,
     pub module: ModuleInfo,
+}
+
+/// What kernel launches do: run (the default); run and add themselves to a signature
+/// (while a step is captured into a graph); or only add themselves to it (a dry run that
+/// tells whether a captured graph launches exactly what the step would).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaunchMode {
+    Run,
+    Record,
+    DryRun,
+}
+
+/// The signature of the launches since the mode was set: an FNV-1a hash of each kernel's
+/// name, grid, block and argument bytes, in order.
+struct Recorder {
+    mode: LaunchMode,
+    hash: u64,
+    launches: usize,
+}
+
+impl Recorder {
+    fn mix(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.hash ^= u64::from(b);
+            self.hash = self.hash.wrapping_mul(0x100000001b3);
+        }
+    }
 }
 
 impl CudaDevice {
@@ -136,6 +164,11 @@ impl CudaDevice {
             ctx,
             _module: module,
             funcs,
+            rec: Arc::new(Mutex::new(Recorder {
+                mode: LaunchMode::Run,
+                hash: 0,
+                launches: 0,
+            })),
             info,
             module: minfo,
         })
@@ -166,7 +199,40 @@ impl CudaDevice {
         Ok(self.ctx.mem_get_info()?)
     }
 
-    /// Launches kernel `name` with `args` (pointers to each argument's value).
+    fn recorder(&self) -> MutexGuard<'_, Recorder> {
+        self.rec.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sets what launches do from now on and starts a new signature.
+    pub fn set_launch_mode(&self, mode: LaunchMode) {
+        let mut r = self.recorder();
+        r.mode = mode;
+        r.hash = 0xcbf29ce484222325;
+        r.launches = 0;
+    }
+
+    pub fn launch_mode(&self) -> LaunchMode {
+        self.recorder().mode
+    }
+
+    /// The signature of the launches since the mode was set, and their count.
+    pub fn launch_signature(&self) -> (u64, usize) {
+        let r = self.recorder();
+        (r.hash, r.launches)
+    }
+
+    /// An error for host copies while launches are recorded (a graph holds kernels only).
+    pub(crate) fn check_copy_allowed(&self) -> Result<()> {
+        match self.launch_mode() {
+            LaunchMode::Run => Ok(()),
+            _ => Err(CudaError::Unsupported(
+                "a host copy inside a step recorded for a graph".into(),
+            )),
+        }
+    }
+
+    /// Launches kernel `name` with `args` (pointers to each argument's value), or only
+    /// records it (see [`LaunchMode`]).
     pub(crate) fn launch(
         &self,
         name: &str,
@@ -174,6 +240,23 @@ impl CudaDevice {
         block: u32,
         args: &[&dyn KernelArg],
     ) -> Result<()> {
+        {
+            let mut r = self.recorder();
+            if r.mode != LaunchMode::Run {
+                r.launches += 1;
+                r.mix(name.as_bytes());
+                r.mix(&[0xff]);
+                for d in [grid.0, grid.1, grid.2, block] {
+                    r.mix(&d.to_le_bytes());
+                }
+                for a in args {
+                    r.mix(a.bytes());
+                }
+                if r.mode == LaunchMode::DryRun {
+                    return Ok(());
+                }
+            }
+        }
         let f = self.func(name)?;
         let mut b = self.stream.launch_builder(f);
         for a in args.iter() {
@@ -207,6 +290,7 @@ impl CudaDevice {
     /// # Safety
     /// `dst` must be live device memory of at least `size_of_val(src)` bytes.
     pub unsafe fn write_raw<T: DeviceRepr>(&self, dst: u64, src: &[T]) -> Result<()> {
+        self.check_copy_allowed()?;
         if !src.is_empty() {
             cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())?;
         }
@@ -403,11 +487,21 @@ fn write_cache(path: &std::path::Path, bytes: &[u8]) {
 /// A kernel argument: anything cudarc can pass by value.
 pub(crate) trait KernelArg {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+    /// The value's bytes, as the kernel receives them.
+    fn bytes(&self) -> &[u8];
 }
 
 impl<T: DeviceRepr> KernelArg for T {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
         b.arg(self);
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: kernel arguments are plain values (integers, floats, device addresses)
+        // without padding; the slice covers exactly the value.
+        unsafe {
+            std::slice::from_raw_parts((self as *const T).cast::<u8>(), std::mem::size_of::<T>())
+        }
     }
 }
 
@@ -461,6 +555,7 @@ impl<T: DeviceRepr> GpuVec<T> {
 
     /// Copies `v` to the device (resizing to `v.len()`).
     pub fn write(&mut self, dev: &CudaDevice, v: &[T]) -> Result<()> {
+        dev.check_copy_allowed()?;
         self.resize(dev, v.len())?;
         if v.is_empty() {
             return Ok(());
@@ -477,6 +572,7 @@ impl<T: DeviceRepr> GpuVec<T> {
     where
         T: Default + Clone,
     {
+        dev.check_copy_allowed()?;
         let mut out = vec![T::default(); self.len];
         if let Some(b) = self.buf.as_ref() {
             if self.len > 0 {

@@ -52,6 +52,7 @@ pub fn kernel_names() -> Vec<String> {
         "rms_norm",
         "rope_angles",
         "rope",
+        "copy_f32",
         "add_f32",
         "add_bias",
         "scale_f32",
@@ -353,25 +354,39 @@ impl CudaDevice {
                 table.n_rows
             )));
         }
-        let st = stem(table.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
-        out.resize(self, ids.len() * table.n_cols)?;
         if ids.is_empty() {
+            out.resize(self, 0)?;
             return Ok(());
         }
         s.ids.write(self, ids)?;
-        let (wp, ip, op, nc) = (
-            table.data.ptr(),
-            s.ids.ptr(),
-            out.ptr(),
-            table.n_cols as i32,
-        );
+        // SAFETY: the ids were just uploaded, and checked against the table.
+        unsafe { self.get_rows_at(table, s.ids.ptr(), ids.len(), out) }
+    }
+
+    /// [`CudaDevice::get_rows`] with `n` row ids (u32) already on the device at `ids`.
+    ///
+    /// # Safety
+    /// `ids` must hold `n` ids, each below the table's row count.
+    pub unsafe fn get_rows_at(
+        &self,
+        table: &CudaMatrix,
+        ids: u64,
+        n: usize,
+        out: &mut GpuVec<f32>,
+    ) -> Result<()> {
+        let st = stem(table.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
+        out.resize(self, n * table.n_cols)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (wp, op, nc) = (table.data.ptr(), out.ptr(), table.n_cols as i32);
         let per_thread = if is_float(table.ty) { 1 } else { 32 };
         let items = table.n_cols / per_thread;
         self.launch(
             &format!("get_rows_{st}"),
-            (blocks(items, 128), ids.len() as u32, 1),
+            (blocks(items, 128), n as u32, 1),
             128,
-            &[&wp, &ip, &op, &nc],
+            &[&wp, &ids, &op, &nc],
         )
     }
 
@@ -422,15 +437,31 @@ impl CudaDevice {
         cos: &mut GpuVec<f32>,
         sin: &mut GpuVec<f32>,
     ) -> Result<()> {
+        // SAFETY: `pos` holds its `len()` positions.
+        unsafe { self.rope_angles_at(rope, pos.ptr(), pos.len(), ff, cos, sin) }
+    }
+
+    /// [`CudaDevice::rope_angles`] of `n` positions (u32) on the device at `pos`.
+    ///
+    /// # Safety
+    /// `pos` must hold `n` positions.
+    pub unsafe fn rope_angles_at(
+        &self,
+        rope: &Rope,
+        pos: u64,
+        n: usize,
+        ff: Option<&GpuVec<f32>>,
+        cos: &mut GpuVec<f32>,
+        sin: &mut GpuVec<f32>,
+    ) -> Result<()> {
         let half = rope.n_rot / 2;
-        let n = pos.len();
         if let Some(f) = ff {
             check_len("rope frequency factors", f.len(), half)?;
         }
         cos.resize(self, n * half)?;
         sin.resize(self, n * half)?;
         let theta_scale = rope.freq_base.powf(-2.0 / rope.n_rot as f32);
-        let (pp, fp, cp, sp) = (pos.ptr(), ff.map_or(0, |f| f.ptr()), cos.ptr(), sin.ptr());
+        let (pp, fp, cp, sp) = (pos, ff.map_or(0, |f| f.ptr()), cos.ptr(), sin.ptr());
         let (nr, hf, fs) = (n as i32, half as i32, rope.freq_scale);
         self.launch_1d(
             "rope_angles",
@@ -476,6 +507,13 @@ impl CudaDevice {
             n_rows * (width / head_dim) * half,
             &[&xp, &cp, &sp, &nr, &wd, &hd, &rot, &neox],
         )
+    }
+
+    /// `x = y` (resizing `x`).
+    pub fn copy(&self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) -> Result<()> {
+        x.resize(self, y.len())?;
+        let (xp, yp, n) = (x.ptr(), y.ptr(), y.len() as i64);
+        self.launch_1d("copy_f32", y.len(), &[&xp, &yp, &n])
     }
 
     /// `x += y`.
@@ -530,19 +568,30 @@ impl CudaDevice {
         if let Some(&bad) = rows.iter().find(|&&r| (r as usize + 1) * width > x.len()) {
             return Err(CudaError::Unsupported(format!("row {bad} out of range")));
         }
-        out.resize(self, rows.len() * width)?;
         if rows.is_empty() {
+            out.resize(self, 0)?;
             return Ok(());
         }
         s.ids.write(self, rows)?;
-        let (xp, rp, op, w, n) = (
-            x.ptr(),
-            s.ids.ptr(),
-            out.ptr(),
-            width as i32,
-            rows.len() as i32,
-        );
-        self.launch_1d("gather_rows", rows.len() * width, &[&xp, &rp, &op, &w, &n])
+        // SAFETY: the row numbers were just uploaded, and checked against `x`.
+        unsafe { self.gather_rows_at(x, width, s.ids.ptr(), rows.len(), out) }
+    }
+
+    /// [`CudaDevice::gather_rows`] with `n` row numbers (u32) on the device at `rows`.
+    ///
+    /// # Safety
+    /// `rows` must hold `n` row numbers, each a row of `x`.
+    pub unsafe fn gather_rows_at(
+        &self,
+        x: &GpuVec<f32>,
+        width: usize,
+        rows: u64,
+        n: usize,
+        out: &mut GpuVec<f32>,
+    ) -> Result<()> {
+        out.resize(self, n * width)?;
+        let (xp, op, w, ni) = (x.ptr(), out.ptr(), width as i32, n as i32);
+        self.launch_1d("gather_rows", n * width, &[&xp, &rows, &op, &w, &ni])
     }
 
     /// Writes row `r` of `k` and `v` (`kv_dim` values each) as f16 into slot `slots[r]`

@@ -13,12 +13,14 @@ pub mod kernels;
 pub mod kv;
 pub mod nvrtc;
 pub mod probe;
+pub mod step;
 
 pub use backend::{Cuda, CudaAngles};
 pub use device::{device_count, CudaDevice, DeviceInfo, GpuVec, ModuleInfo};
 pub use error::CudaError;
 pub use kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
 pub use kv::{CudaKvStore, KeyRope};
+pub use step::{CudaState, GraphStats};
 
 #[cfg(test)]
 mod tests {

@@ -18,7 +18,7 @@ use rustorch_core::quant::{self, QuantError};
 use rustorch_core::GgmlType;
 
 use ops::{Io, Step, Workspace};
-use rustorch_cuda::{Cuda, CudaAngles, CudaDevice, CudaKvStore, GpuVec, KeyRope};
+use rustorch_cuda::{Cuda, CudaAngles, CudaDevice, CudaKvStore, CudaState, GpuVec, KeyRope};
 
 use crate::batch::Batch;
 use crate::kv_cache::{KvCache, KvCacheError};
@@ -584,7 +584,21 @@ impl<D: Device> Graph<D> {
 /// The model on its device, with the activation workspace kept between calls.
 enum Placed {
     Cpu(Box<On<CpuDevice, Vec<f32>, CpuAngles>>),
-    Cuda(Box<On<CudaDevice, GpuVec<f32>, CudaAngles>>),
+    Cuda(Box<CudaOn>),
+}
+
+/// The model on a GPU, and what its forward calls keep between them (scratch buffers,
+/// uploaded inputs, captured graphs); one call at a time holds it.
+struct CudaOn {
+    on: On<CudaDevice, GpuVec<f32>, CudaAngles>,
+    state: Mutex<CudaState>,
+}
+
+impl std::ops::Deref for CudaOn {
+    type Target = On<CudaDevice, GpuVec<f32>, CudaAngles>;
+    fn deref(&self) -> &Self::Target {
+        &self.on
+    }
 }
 
 /// A device, the graph's weights on it and the activation workspace.
@@ -661,10 +675,13 @@ impl Model {
                     },
                     &hp,
                 )?;
-                Placed::Cuda(Box::new(On {
-                    dev,
-                    graph,
-                    ws: Mutex::new(Workspace::default()),
+                Placed::Cuda(Box::new(CudaOn {
+                    on: On {
+                        dev,
+                        graph,
+                        ws: Mutex::new(Workspace::default()),
+                    },
+                    state: Mutex::new(CudaState::default()),
                 }))
             }
         };
@@ -841,15 +858,47 @@ impl Model {
             }
             Placed::Cuda(c) => {
                 let (dev, graph, ws) = (&c.dev, &c.graph, &c.ws);
-                let mut be = Cuda::new(dev, rt.tensor_hook.as_ref());
+                // one call at a time on the GPU (its stream may be capturing a graph)
+                let mut state = c.state.lock().unwrap_or_else(|p| p.into_inner());
+                let mut be = Cuda::with_state(dev, &mut state, rt.tensor_hook.as_ref());
+                be.prepare(io.tokens, io.rows, io.cells, &io.out_rows, io.cache)?;
                 let mut own = None;
                 let mut guard = ws.try_lock();
                 let w = match guard {
                     Ok(ref mut g) => &mut **g,
                     Err(_) => own.insert(Workspace::default()),
                 };
-                let out = graph.forward(Step { be: &mut be, w, io })?;
-                be.finish()?;
+                // decode steps may be replayed as CUDA graphs (the call may run twice)
+                let graphable = n <= 8 && !rt.dump_layers && rt.tensor_hook.is_none();
+                let Io {
+                    hp,
+                    tokens,
+                    rope_pos,
+                    rows,
+                    cache,
+                    cells,
+                    out_rows,
+                    dump_layers,
+                    ..
+                } = io;
+                let (mut out, logits) = be.run(graphable, |be| {
+                    let io = Io {
+                        hp,
+                        tokens,
+                        rope_pos,
+                        rows,
+                        cache: &mut *cache,
+                        cells,
+                        out_rows: out_rows.clone(),
+                        kept: false,
+                        dump_layers,
+                        stats: Vec::new(),
+                    };
+                    graph.forward(Step { be, w: &mut *w, io })
+                })?;
+                if let Some(l) = logits {
+                    out.logits = l;
+                }
                 Ok(out)
             }
         }

@@ -1,0 +1,303 @@
+//! What a GPU forward call keeps from one call to the next ([`CudaState`]): the kernels'
+//! scratch buffers, the call's inputs in device memory, and the decode steps captured as
+//! CUDA graphs.
+//!
+//! **Inputs.** [`crate::Cuda::prepare`] packs everything a call reads from the host (token
+//! ids, positions, the rows that want logits, the slot of every new cache cell, each row's
+//! attention descriptor and its sequence's slots and positions) into one pinned buffer and
+//! uploads it with one asynchronous copy; the ops then read it in place. The only other
+//! transfer of a call is the download of its logits.
+//!
+//! **Graphs.** A call that [`crate::Cuda::run`] may replay first runs the architecture's
+//! code with launches switched off: every launch adds its kernel, grid and argument bytes
+//! to a signature. A graph captured from a call with the same signature launches exactly
+//! those kernels with exactly those arguments (every input that changes from step to step
+//! is data in device memory), so it is replayed in the call's place; otherwise the call is
+//! captured (launches recorded into a new graph, which must have the same signature) and
+//! then replayed. A few graphs are kept, the least recently used dropped first.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaGraph;
+
+use crate::device::{CudaDevice, GpuVec};
+use crate::error::{CudaError, Result};
+use crate::kernels::Scratch;
+
+/// Graphs kept per model.
+const MAX_GRAPHS: usize = 8;
+
+/// Host memory the driver can copy from asynchronously (page-locked), holding u32 words.
+pub(crate) struct Pinned {
+    ptr: *mut u32,
+    cap: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; access goes through &mut.
+unsafe impl Send for Pinned {}
+
+impl Default for Pinned {
+    fn default() -> Self {
+        Pinned {
+            ptr: std::ptr::null_mut(),
+            cap: 0,
+        }
+    }
+}
+
+impl Pinned {
+    /// Room for `n` words (contents lost when it grows).
+    fn reserve(&mut self, dev: &CudaDevice, n: usize) -> Result<()> {
+        if n <= self.cap {
+            return Ok(());
+        }
+        self.free();
+        let cap = n.max(2 * self.cap).max(1024);
+        dev.context().bind_to_thread()?;
+        // SAFETY: a fresh allocation of `cap` words, freed in `free`.
+        let p = unsafe { cudarc::driver::result::malloc_host(cap * 4, 0) }?;
+        self.ptr = p.cast::<u32>();
+        self.cap = cap;
+        Ok(())
+    }
+
+    fn words(&mut self, n: usize) -> &mut [u32] {
+        assert!(n <= self.cap);
+        if n == 0 {
+            return &mut [];
+        }
+        // SAFETY: `n` words of the allocation, borrowed mutably through self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
+    }
+
+    fn free(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated by malloc_host; callers synchronize before dropping (every
+            // forward call ends by waiting for the stream).
+            unsafe {
+                let _ = cudarc::driver::result::free_host(self.ptr.cast::<c_void>());
+            }
+            self.ptr = std::ptr::null_mut();
+            self.cap = 0;
+        }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.free();
+    }
+}
+
+/// One call's inputs on the device (see the module doc), and their host values, so that
+/// an op can tell that what it is given is what was uploaded.
+#[derive(Default)]
+pub(crate) struct Prepared {
+    pub valid: bool,
+    host: Pinned,
+    pub buf: GpuVec<u32>,
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub seq_ids: Vec<u32>,
+    pub cells: Vec<usize>,
+    pub out_rows: Vec<u32>,
+    /// Word offsets in `buf`.
+    pub tok_off: usize,
+    pub pos_off: usize,
+    pub out_off: usize,
+    pub slot_off: usize,
+    pub desc_off: usize,
+    /// The most cells of a row's sequence.
+    pub max_cells: usize,
+}
+
+impl Prepared {
+    /// Device address of word `off`.
+    pub fn at(&self, off: usize) -> u64 {
+        self.buf.ptr() + (off * 4) as u64
+    }
+
+    /// Packs and uploads one call's inputs. `seqs`: each sequence of the batch with its
+    /// cells' slots and positions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload(
+        &mut self,
+        dev: &CudaDevice,
+        tokens: &[u32],
+        positions: &[u32],
+        seq_ids: &[u32],
+        cells: &[usize],
+        new_slots: &[u32],
+        out_rows: &[usize],
+        seqs: &[(u32, &[u32], &[u32])],
+    ) -> Result<()> {
+        self.valid = false;
+        let n = tokens.len();
+        let n_out = out_rows.len();
+        self.tok_off = 0;
+        self.pos_off = n;
+        self.out_off = 2 * n;
+        self.slot_off = 2 * n + n_out;
+        // descriptors are u64 triples: 8-byte aligned
+        self.desc_off = (3 * n + n_out).next_multiple_of(2);
+        let table_off = self.desc_off + 6 * n;
+        let total = table_off + seqs.iter().map(|s| 2 * s.1.len()).sum::<usize>();
+        if self.buf.capacity() < total {
+            let cap = total.max(2 * self.buf.capacity()).max(4096);
+            self.buf.resize(dev, cap)?;
+        }
+        self.buf.resize(dev, total)?;
+        self.host.reserve(dev, total)?;
+        let base = self.buf.ptr();
+        let w = self.host.words(total);
+        w[..n].copy_from_slice(tokens);
+        w[n..2 * n].copy_from_slice(positions);
+        for (k, &r) in out_rows.iter().enumerate() {
+            w[2 * n + k] = r as u32;
+        }
+        w[self.slot_off..self.slot_off + n].copy_from_slice(new_slots);
+        let mut at = Vec::with_capacity(seqs.len());
+        let mut off = table_off;
+        for &(seq, slots, pos) in seqs {
+            at.push((seq, off, slots.len()));
+            w[off..off + slots.len()].copy_from_slice(slots);
+            w[off + slots.len()..off + 2 * slots.len()].copy_from_slice(pos);
+            off += 2 * slots.len();
+        }
+        self.max_cells = 0;
+        for i in 0..n {
+            let (o, nc) = at
+                .iter()
+                .find(|a| a.0 == seq_ids[i])
+                .map_or((0, 0), |a| (a.1, a.2));
+            self.max_cells = self.max_cells.max(nc);
+            let d = [
+                base + (o * 4) as u64,
+                base + ((o + nc) * 4) as u64,
+                nc as u64 | (u64::from(positions[i]) << 32),
+            ];
+            let dw = self.desc_off + 6 * i;
+            for (j, v) in d.iter().enumerate() {
+                w[dw + 2 * j] = *v as u32;
+                w[dw + 2 * j + 1] = (*v >> 32) as u32;
+            }
+        }
+        // SAFETY: `total` words of pinned host memory into the buffer sized above; the
+        // host words are not touched again before the call ends (it waits for the stream).
+        unsafe {
+            dev.check_copy_allowed()?;
+            dev.context().bind_to_thread()?;
+            sys::cuMemcpyHtoDAsync_v2(
+                base,
+                self.host.ptr.cast::<c_void>(),
+                total * 4,
+                dev.stream().cu_stream(),
+            )
+            .result()?;
+        }
+        self.tokens.clear();
+        self.tokens.extend_from_slice(tokens);
+        self.positions.clear();
+        self.positions.extend_from_slice(positions);
+        self.seq_ids.clear();
+        self.seq_ids.extend_from_slice(seq_ids);
+        self.cells.clear();
+        self.cells.extend_from_slice(cells);
+        self.out_rows.clear();
+        self.out_rows.extend(out_rows.iter().map(|&r| r as u32));
+        self.valid = true;
+        Ok(())
+    }
+}
+
+/// A captured step: its signature and when it was last used.
+pub(crate) struct Captured {
+    pub sig: u64,
+    pub graph: GraphBox,
+    pub used: u64,
+}
+
+pub(crate) struct GraphBox(pub CudaGraph);
+
+// SAFETY: a graph is only touched by the thread holding the CudaState (behind the model's
+// lock); the driver objects are not tied to a thread.
+unsafe impl Send for GraphBox {}
+
+/// Counts of how calls ran, for benchmarks and tests.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct GraphStats {
+    /// Calls run op by op.
+    pub eager: u64,
+    /// Calls captured into a new graph (and replayed).
+    pub captured: u64,
+    /// Calls replayed from a kept graph.
+    pub replayed: u64,
+    /// Captures that failed (those steps run op by op from then on).
+    pub failed: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Graphs {
+    pub list: Vec<Captured>,
+    /// Signatures whose capture failed (run op by op from then on).
+    pub bad: Vec<u64>,
+    pub tick: u64,
+    pub stats: GraphStats,
+}
+
+impl Graphs {
+    pub fn find(&mut self, sig: u64) -> Option<&Captured> {
+        self.tick += 1;
+        let t = self.tick;
+        let g = self.list.iter_mut().find(|g| g.sig == sig)?;
+        g.used = t;
+        Some(g)
+    }
+
+    pub fn insert(&mut self, c: Captured) {
+        if self.list.len() >= MAX_GRAPHS {
+            if let Some(i) = (0..self.list.len()).min_by_key(|&i| self.list[i].used) {
+                self.list.swap_remove(i);
+            }
+        }
+        self.list.push(c);
+    }
+}
+
+/// Whether graphs are on (`RUSTORCH_CUDA_GRAPHS=0` turns them off).
+pub(crate) fn graphs_enabled() -> bool {
+    std::env::var("RUSTORCH_CUDA_GRAPHS").map_or(true, |v| v != "0")
+}
+
+/// What a GPU model keeps between forward calls (see the module doc). One call at a time
+/// uses it.
+#[derive(Default)]
+pub struct CudaState {
+    pub(crate) s: Scratch,
+    pub(crate) tmp: GpuVec<f32>,
+    pub(crate) inp: Prepared,
+    pub(crate) graphs: Graphs,
+}
+
+impl CudaState {
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats
+    }
+}
+
+/// Captures the work `f` queues on the device's stream into a graph (nothing runs). Fails
+/// without calling `f` when capture cannot begin.
+pub(crate) fn capture<T>(
+    dev: &CudaDevice,
+    f: impl FnOnce() -> T,
+) -> Result<(T, Result<Option<CudaGraph>>)> {
+    dev.stream()
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let out = f();
+    let g = dev
+        .stream()
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .map_err(CudaError::from);
+    Ok((out, g))
+}
