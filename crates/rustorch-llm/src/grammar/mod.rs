@@ -25,7 +25,8 @@
 
 pub mod gbnf;
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
@@ -66,10 +67,16 @@ pub enum GrammarError {
 const JSON_OPTIONS: &str =
     r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
 
-/// Per-vocabulary grammar compiler: llguidance's token trie and parser factory.
+/// Compiled grammars kept per engine: a clone of a compiled matcher shares its lexer
+/// caches, so a schema used again starts with the token-trie walks it has already done.
+const CACHE_SIZE: usize = 64;
+
+/// Per-vocabulary grammar compiler: llguidance's token trie and parser factory, and the
+/// grammars compiled so far (up to [`CACHE_SIZE`], oldest dropped first).
 #[derive(Clone)]
 pub struct GrammarEngine {
     factory: Arc<ParserFactory>,
+    cache: Arc<Mutex<VecDeque<(String, Matcher)>>>,
     eog: Arc<[u32]>,
     eos: u32,
     n_vocab: usize,
@@ -121,6 +128,7 @@ impl GrammarEngine {
         factory.quiet();
         GrammarEngine {
             factory: Arc::new(factory),
+            cache: Arc::new(Mutex::new(VecDeque::new())),
             eog: eog.into(),
             eos,
             n_vocab: n,
@@ -166,17 +174,44 @@ impl GrammarEngine {
         })
     }
 
-    /// Compiles `spec` into a fresh constraint. Errors name what is wrong.
+    /// Compiles `spec` into a fresh constraint (or reuses the compiled grammar of an
+    /// equal spec). Errors name what is wrong.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
-        let top = self.top_level(spec)?;
-        let parser = self.factory.create_parser(top).map_err(|e| {
-            let msg = first_line(&e.to_string());
-            match spec {
-                GrammarSpec::JsonSchema(_) | GrammarSpec::JsonObject => GrammarError::Schema(msg),
-                _ => GrammarError::Compile(msg),
+        let key = match spec {
+            GrammarSpec::Gbnf(t) => format!("g{t}"),
+            GrammarSpec::Lark(t) => format!("l{t}"),
+            GrammarSpec::JsonSchema(v) => format!("j{v}"),
+            GrammarSpec::JsonObject => "o".to_string(),
+        };
+        let cached = {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, m)| m.clone())
+        };
+        let matcher = match cached {
+            Some(m) => m,
+            None => {
+                let top = self.top_level(spec)?;
+                let parser = self.factory.create_parser(top).map_err(|e| {
+                    let msg = first_line(&e.to_string());
+                    match spec {
+                        GrammarSpec::JsonSchema(_) | GrammarSpec::JsonObject => {
+                            GrammarError::Schema(msg)
+                        }
+                        _ => GrammarError::Compile(msg),
+                    }
+                })?;
+                let m = Matcher::new(Ok(parser));
+                let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+                if cache.len() >= CACHE_SIZE {
+                    cache.pop_front();
+                }
+                cache.push_back((key, m.clone()));
+                m
             }
-        })?;
-        let matcher = Matcher::new(Ok(parser));
+        };
         Ok(Constraint {
             initial: matcher.clone(),
             matcher,
@@ -227,6 +262,10 @@ fn json_with_options(schema: &Value) -> Result<Value, GrammarError> {
     match schema {
         Value::Object(o) => {
             let mut o = o.clone();
+            for v in o.values_mut() {
+                bound_integers(v);
+            }
+            bound_integers_here(&mut o);
             if !o.contains_key("x-guidance") {
                 let opts: Value = serde_json::from_str(JSON_OPTIONS).expect("valid options");
                 o.insert("x-guidance".into(), opts);
@@ -247,6 +286,46 @@ fn json_with_options(schema: &Value) -> Result<Value, GrammarError> {
                 _ => "a boolean",
             }
         ))),
+    }
+}
+
+/// Largest magnitude of an integer without bounds: 15 digits, as llama.cpp's
+/// json-schema-to-grammar allows 16 (a small model otherwise writes digits until its
+/// token limit).
+const INTEGER_LIMIT: i64 = 999_999_999_999_999;
+
+/// Gives every `"type": "integer"` schema inside `v` default bounds (see
+/// [`INTEGER_LIMIT`]); values of `const`, `enum`, `default` and `examples` are data, not
+/// schemas, and are left alone.
+fn bound_integers(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            for (k, child) in o.iter_mut() {
+                if !matches!(k.as_str(), "const" | "enum" | "default" | "examples") {
+                    bound_integers(child);
+                }
+            }
+            bound_integers_here(o);
+        }
+        Value::Array(a) => a.iter_mut().for_each(bound_integers),
+        _ => {}
+    }
+}
+
+fn bound_integers_here(o: &mut serde_json::Map<String, Value>) {
+    let integer = match o.get("type") {
+        Some(Value::String(t)) => t == "integer",
+        Some(Value::Array(ts)) => ts.iter().any(|t| t == "integer"),
+        _ => false,
+    };
+    if !integer {
+        return;
+    }
+    if !o.contains_key("minimum") && !o.contains_key("exclusiveMinimum") {
+        o.insert("minimum".into(), Value::from(-INTEGER_LIMIT));
+    }
+    if !o.contains_key("maximum") && !o.contains_key("exclusiveMaximum") {
+        o.insert("maximum".into(), Value::from(INTEGER_LIMIT));
     }
 }
 
