@@ -36,6 +36,8 @@ pub struct Args {
     pub n_predict: i64,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub grammar: common::GrammarArgs,
     /// System message (`-sys` also works); the template's default is used otherwise
     #[arg(long = "system-prompt")]
     pub system_prompt: Option<String>,
@@ -229,6 +231,7 @@ impl Chat<'_> {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     common::init_logging(args.verbose);
+    args.grammar.spec()?;
     let path = common::resolve_model(args.model.as_deref())?;
     let loaded = common::load(&path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
@@ -238,7 +241,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.chat_template.as_deref(),
         args.chat_template_file.as_deref(),
     )?;
-    let sampler = Sampler::new(args.sampling.to_params(tok, n_ctx)?, tok.n_vocab());
+    let mut sampler = Sampler::new(args.sampling.to_params(tok, n_ctx)?, tok.n_vocab());
+    // every reply follows the grammar (it starts over at each turn)
+    args.grammar.install(tok, &mut sampler)?;
     if args.verbose {
         eprintln!("rustorch: seed = {}", sampler.seed());
     }

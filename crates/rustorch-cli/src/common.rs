@@ -10,7 +10,8 @@ use anyhow::{bail, Context};
 use rustorch_core::gguf::GgufFile;
 use rustorch_core::kernels::physical_cores;
 use rustorch_llm::chat::ChatTemplate;
-use rustorch_llm::sampler::SamplerParams;
+use rustorch_llm::grammar::{GrammarEngine, GrammarSpec};
+use rustorch_llm::sampler::{Sampler, SamplerParams};
 use rustorch_llm::tokenizer::Tokenizer;
 use rustorch_llm::{Model, Placement};
 
@@ -374,6 +375,88 @@ impl SamplingArgs {
         }
         p.validate()?;
         Ok(p)
+    }
+}
+
+/// Constrained generation flags, named as in llama.cpp (`-j` is `--json-schema`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct GrammarArgs {
+    /// GBNF grammar the output must follow (llama.cpp's format)
+    #[arg(long = "grammar", allow_hyphen_values = true)]
+    pub grammar: Option<String>,
+    /// File holding a GBNF grammar
+    #[arg(long = "grammar-file")]
+    pub grammar_file: Option<PathBuf>,
+    /// JSON schema the output must follow, e.g. `{}` for any JSON value
+    #[arg(short = 'j', long = "json-schema", allow_hyphen_values = true)]
+    pub json_schema: Option<String>,
+    /// File holding a JSON schema
+    #[arg(long = "json-schema-file")]
+    pub json_schema_file: Option<PathBuf>,
+}
+
+impl GrammarArgs {
+    /// The grammar these flags give, checked; `None` without any. At most one may be
+    /// given.
+    pub fn spec(&self) -> anyhow::Result<Option<GrammarSpec>> {
+        let given = [
+            self.grammar.is_some(),
+            self.grammar_file.is_some(),
+            self.json_schema.is_some(),
+            self.json_schema_file.is_some(),
+        ];
+        if given.iter().filter(|&&g| g).count() > 1 {
+            bail!(
+                "give at most one of --grammar, --grammar-file, -j/--json-schema, --json-schema-file"
+            );
+        }
+        let read = |f: &Path, what: &str| {
+            std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read the {what} file '{}'", f.display()))
+        };
+        let schema = |text: &str, from: &str| -> anyhow::Result<GrammarSpec> {
+            let v: serde_json::Value = serde_json::from_str(text)
+                .with_context(|| format!("{from}: the JSON schema is not valid JSON"))?;
+            Ok(GrammarSpec::JsonSchema(v))
+        };
+        Ok(if let Some(g) = &self.grammar {
+            Some(GrammarSpec::Gbnf(g.clone()))
+        } else if let Some(f) = &self.grammar_file {
+            Some(GrammarSpec::Gbnf(read(f, "grammar")?))
+        } else if let Some(s) = &self.json_schema {
+            Some(schema(s, "--json-schema")?)
+        } else if let Some(f) = &self.json_schema_file {
+            Some(schema(&read(f, "JSON schema")?, &f.display().to_string())?)
+        } else {
+            None
+        })
+    }
+
+    /// Compiles the grammar for `tokenizer`'s vocabulary into `sampler`; an invalid
+    /// grammar or schema is an error naming the flag and the problem.
+    pub fn install(&self, tokenizer: &Tokenizer, sampler: &mut Sampler) -> anyhow::Result<()> {
+        let Some(spec) = self.spec()? else {
+            return Ok(());
+        };
+        let flag = if self.grammar.is_some() {
+            "--grammar".to_string()
+        } else if let Some(f) = &self.grammar_file {
+            format!("--grammar-file {}", f.display())
+        } else if self.json_schema.is_some() {
+            "--json-schema".to_string()
+        } else {
+            format!(
+                "--json-schema-file {}",
+                self.json_schema_file
+                    .as_deref()
+                    .unwrap_or(Path::new(""))
+                    .display()
+            )
+        };
+        let engine = GrammarEngine::new(Arc::new(tokenizer.clone()));
+        let c = engine.compile(&spec).with_context(|| flag)?;
+        sampler.set_grammar(Some(c));
+        Ok(())
     }
 }
 

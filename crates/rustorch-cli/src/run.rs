@@ -35,6 +35,8 @@ pub struct Args {
     pub device: common::DeviceArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub grammar: common::GrammarArgs,
     /// Stop when this text appears (repeatable); it is not printed
     #[arg(short = 'r', long = "reverse-prompt")]
     pub reverse_prompt: Vec<String>,
@@ -77,6 +79,8 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     common::init_logging(args.verbose);
+    // a malformed schema file or flag combination fails before the model loads
+    args.grammar.spec()?;
     let prompt_raw = match (&args.prompt, &args.file) {
         (Some(_), Some(_)) => bail!("give either -p or -f, not both"),
         (Some(p), None) => p.clone(),
@@ -141,6 +145,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 
     let mut sampler = Sampler::new(args.sampling.to_params(tok, n_ctx)?, tok.n_vocab());
+    args.grammar.install(tok, &mut sampler)?;
     tracing::info!(seed = sampler.seed(), "sampler seed");
     if args.verbose {
         eprintln!("rustorch: seed = {}", sampler.seed());

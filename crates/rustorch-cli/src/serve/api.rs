@@ -6,6 +6,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use rustorch_llm::chat::ChatTemplate;
+use rustorch_llm::grammar::{GrammarEngine, GrammarSpec};
 use rustorch_llm::sampler::SamplerParams;
 use rustorch_llm::scheduler::{GenRequest, SubmitError};
 use rustorch_llm::tokenizer::Tokenizer;
@@ -292,6 +293,122 @@ pub struct Prepared {
     pub logprobs: LogprobsMode,
 }
 
+/// What constrains the output: llama-server's `grammar` (GBNF) and `json_schema`
+/// fields, and OpenAI's `response_format` (`text`, `json_object`, `json_schema` with
+/// `name`, `schema`, `strict`; llama-server's `{"type": "json_object", "schema": ...}`
+/// too). Returns the grammar and the field it came from; at most one may be given.
+pub fn grammar_spec(f: &Fields<'_>) -> Result<Option<(GrammarSpec, String)>, ApiError> {
+    let mut found: Vec<(GrammarSpec, String)> = Vec::new();
+    if let Some(g) = f.str("grammar")? {
+        if !g.trim().is_empty() {
+            found.push((GrammarSpec::Gbnf(g.to_string()), "grammar".into()));
+        }
+    }
+    match f.0.get("json_schema").filter(|v| !v.is_null()) {
+        None => {}
+        Some(v @ (Value::Object(_) | Value::Bool(_))) => {
+            found.push((GrammarSpec::JsonSchema(v.clone()), "json_schema".into()))
+        }
+        Some(v) => return Err(Fields::wrong("json_schema", "a JSON schema object", v)),
+    }
+    match f.0.get("response_format").filter(|v| !v.is_null()) {
+        None => {}
+        Some(Value::Object(o)) => {
+            let rf = Fields(o);
+            let param = "response_format.type";
+            match rf.str("type")? {
+                Some("text") => {}
+                Some("json_object") => match o.get("schema").filter(|v| !v.is_null()) {
+                    Some(schema) => found.push((
+                        GrammarSpec::JsonSchema(schema.clone()),
+                        "response_format.schema".into(),
+                    )),
+                    None => found.push((GrammarSpec::JsonObject, "response_format".into())),
+                },
+                Some("json_schema") => {
+                    // OpenAI: {"json_schema": {"name", "schema", "strict"}}; llama-server
+                    // also takes {"schema": ...} directly
+                    let (holder, base) = match o.get("json_schema").filter(|v| !v.is_null()) {
+                        Some(Value::Object(js)) => (js, "response_format.json_schema"),
+                        Some(v) => {
+                            return Err(Fields::wrong(
+                                "response_format.json_schema",
+                                "an object with 'name' and 'schema'",
+                                v,
+                            ))
+                        }
+                        None => (o, "response_format"),
+                    };
+                    let h = Fields(holder);
+                    h.str("name").map_err(|mut e| {
+                        e.param = Some(format!("{base}.name"));
+                        e
+                    })?;
+                    h.bool("strict").map_err(|mut e| {
+                        e.param = Some(format!("{base}.strict"));
+                        e
+                    })?;
+                    match holder.get("schema").filter(|v| !v.is_null()) {
+                        Some(schema) => found.push((
+                            GrammarSpec::JsonSchema(schema.clone()),
+                            format!("{base}.schema"),
+                        )),
+                        None if base == "response_format" => {
+                            return Err(ApiError::param(
+                                "response_format.json_schema",
+                                "'response_format' of type 'json_schema' needs 'json_schema': \
+                                 {\"name\": ..., \"schema\": {...}}",
+                            ))
+                        }
+                        None => found.push((GrammarSpec::JsonObject, base.to_string())),
+                    }
+                }
+                Some(other) => {
+                    return Err(ApiError::param(
+                        param,
+                        format!(
+                            "'response_format.type' must be 'text', 'json_object' or \
+                             'json_schema', got '{other}'"
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(ApiError::param(
+                        param,
+                        "'response_format' needs a 'type' ('text', 'json_object' or 'json_schema')",
+                    ))
+                }
+            }
+        }
+        Some(v) => return Err(Fields::wrong("response_format", "an object", v)),
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(_, p)| p.as_str()).collect();
+        return Err(ApiError::param(
+            &found[1].1,
+            format!(
+                "give only one of 'grammar', 'json_schema' and 'response_format' (got {})",
+                names.join(", ")
+            ),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// Compiles the request's grammar, if any; a bad one is a 400 naming its field.
+fn compile_grammar(
+    f: &Fields<'_>,
+    engine: &dyn Fn() -> GrammarEngine,
+) -> Result<Option<rustorch_llm::grammar::Constraint>, ApiError> {
+    let Some((spec, param)) = grammar_spec(f)? else {
+        return Ok(None);
+    };
+    engine()
+        .compile(&spec)
+        .map(Some)
+        .map_err(|e| ApiError::param(&param, format!("'{param}': {e}")).code("invalid_grammar"))
+}
+
 /// The fields shared by chat and text completions.
 fn common_fields(
     f: &Fields<'_>,
@@ -379,6 +496,7 @@ fn common_fields(
             LogprobsMode::None => None,
             LogprobsMode::Chat(n) | LogprobsMode::Legacy(n) => Some(n),
         },
+        grammar: None,
     };
     Ok((gen, stream, include_usage, logprobs))
 }
@@ -491,6 +609,7 @@ pub fn chat_request(
     body: &Map<String, Value>,
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
+    grammar: &dyn Fn() -> GrammarEngine,
 ) -> Result<Prepared, ApiError> {
     let f = Fields(body);
     let messages = match body.get("messages") {
@@ -527,6 +646,7 @@ pub fn chat_request(
         return Err(ApiError::param("tools", "tool calling is not supported"));
     }
     let (mut gen, stream, include_usage, logprobs) = common_fields(&f, tokenizer, true)?;
+    gen.grammar = compile_grammar(&f, grammar)?;
     let rendered = template
         .render_json(&Value::Array(msgs), true, None)
         .map_err(|e| {
@@ -558,6 +678,7 @@ pub fn chat_request(
 pub fn completion_request(
     body: &Map<String, Value>,
     tokenizer: &Tokenizer,
+    grammar: &dyn Fn() -> GrammarEngine,
 ) -> Result<Prepared, ApiError> {
     let f = Fields(body);
     let encode = |s: &str| {
@@ -607,6 +728,7 @@ pub fn completion_request(
         }
     }
     let (mut gen, stream, include_usage, logprobs) = common_fields(&f, tokenizer, false)?;
+    gen.grammar = compile_grammar(&f, grammar)?;
     gen.prompt = prompt;
     Ok(Prepared {
         gen,

@@ -101,6 +101,8 @@ pub struct Ready {
     tokenizer: Arc<Tokenizer>,
     template: ChatTemplate,
     sched: Scheduler,
+    /// Grammar compiler for this vocabulary, built by the first request with a grammar.
+    grammar: OnceLock<rustorch_llm::grammar::GrammarEngine>,
 }
 
 fn router(state: Arc<AppState>) -> Router {
@@ -313,6 +315,7 @@ fn load(path: &std::path::Path, args: &LoadArgs) -> anyhow::Result<Ready> {
         tokenizer,
         template,
         sched,
+        grammar: OnceLock::new(),
     })
 }
 

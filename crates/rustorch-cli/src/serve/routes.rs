@@ -11,6 +11,7 @@ use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
+use rustorch_llm::grammar::GrammarEngine;
 use rustorch_llm::sampler::Logprobs;
 use rustorch_llm::scheduler::{Completion, Event, EventSink, FinishReason};
 use rustorch_llm::tokenizer::Tokenizer;
@@ -468,9 +469,18 @@ async fn generate_inner(
     let obj = api::parse_object(&body)?;
     // tokenizing and template rendering can take a while on big inputs
     let r2 = r.clone();
-    let prepared: Prepared = tokio::task::spawn_blocking(move || match kind {
-        Kind::Chat => api::chat_request(&obj, &r2.tokenizer, &r2.template),
-        Kind::Text => api::completion_request(&obj, &r2.tokenizer),
+    let prepared: Prepared = tokio::task::spawn_blocking(move || {
+        // the grammar engine (the vocabulary's token trie) is built at the first request
+        // that needs it
+        let engine = || {
+            r2.grammar
+                .get_or_init(|| GrammarEngine::new(r2.tokenizer.clone()))
+                .clone()
+        };
+        match kind {
+            Kind::Chat => api::chat_request(&obj, &r2.tokenizer, &r2.template, &engine),
+            Kind::Text => api::completion_request(&obj, &r2.tokenizer, &engine),
+        }
     })
     .await
     .map_err(|_| ApiError::internal("the request could not be prepared"))??;
