@@ -55,7 +55,7 @@ impl ApiError {
         Self::new(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
-            "Incorrect API key provided. Pass it as `Authorization: Bearer KEY`.",
+            "Incorrect API key provided. Pass it as `Authorization: Bearer KEY` or `x-api-key: KEY`.",
         )
         .code("invalid_api_key")
     }
@@ -169,7 +169,7 @@ impl Fields<'_> {
         self.0.get(key).filter(|v| !v.is_null())
     }
 
-    fn wrong(key: &str, expected: &str, v: &Value) -> ApiError {
+    pub fn wrong(key: &str, expected: &str, v: &Value) -> ApiError {
         ApiError::param(
             key,
             format!("'{key}' must be {expected}, got {}", type_name(v)),

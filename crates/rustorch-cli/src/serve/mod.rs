@@ -7,8 +7,10 @@
 //! running request into one forward pass per step. HTTP runs on a small tokio runtime.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-//! `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`.
+//! `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and Anthropic's
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens` ([`anthropic`]).
 
+mod anthropic;
 mod api;
 mod routes;
 
@@ -61,8 +63,8 @@ pub struct Args {
     /// request copies the cache cells of the beginning it shares with a live request)
     #[arg(long = "no-prefix-sharing")]
     pub no_prefix_sharing: bool,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health
-    /// (default: $RUSTORCH_API_KEY)
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every endpoint but
+    /// /health (default: $RUSTORCH_API_KEY)
     #[arg(long = "api-key")]
     pub api_key: Option<String>,
     /// Threads (default: physical cores)
@@ -115,6 +117,8 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/completions", post(routes::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .route("/metrics", get(routes::metrics))

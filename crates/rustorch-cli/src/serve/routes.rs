@@ -18,11 +18,12 @@ use rustorch_llm::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use super::anthropic;
 use super::api::{self, json_response, ApiError, Fields, LogprobsMode, Prepared};
 use super::{AppState, Ready};
 
 /// Events of one request, from the engine thread to its handler.
-struct ChannelSink(UnboundedSender<Event>);
+pub(super) struct ChannelSink(pub(super) UnboundedSender<Event>);
 
 impl EventSink for ChannelSink {
     fn send(&mut self, event: Event) -> bool {
@@ -47,17 +48,25 @@ fn ready(state: &AppState) -> Result<&Arc<Ready>, ApiError> {
     state.ready.get().ok_or_else(ApiError::loading)
 }
 
-/// Rejects every request but `/health` without the API key, when one is set.
+/// Rejects every request but `/health` without the API key, when one is set. The key
+/// is taken as `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic), on
+/// every endpoint.
 pub async fn auth(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
         if req.uri().path() != "/health" {
-            let given = req
-                .headers()
+            let headers = req.headers();
+            let bearer = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "))
                 .map(str::trim);
-            if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            let x_api_key = headers
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim);
+            let ok =
+                |g: Option<&str>| g.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
+            if !(ok(bearer) || ok(x_api_key)) {
                 return ApiError::unauthorized().into_response();
             }
         }
@@ -72,7 +81,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Turns the framework's own plain-text errors (405, 413, ...) into OpenAI's shape.
+/// Turns the framework's own plain-text errors (405, 413, ...) into OpenAI's shape, and
+/// every error on the Anthropic paths (`/v1/messages...`) into Anthropic's.
 pub async fn error_shape(req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
@@ -83,8 +93,16 @@ pub async fn error_shape(req: Request, next: Next) -> Response {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/json"));
-    if !(status.is_client_error() || status.is_server_error()) || is_json {
+    if !(status.is_client_error() || status.is_server_error()) {
         return res;
+    }
+    let anthropic = anthropic::is_anthropic_path(&path);
+    if is_json {
+        return if anthropic {
+            anthropic::reshape_error(res).await
+        } else {
+            res
+        };
     }
     let (parts, body) = res.into_parts();
     let text = axum::body::to_bytes(body, 64 * 1024)
@@ -108,6 +126,9 @@ pub async fn error_shape(req: Request, next: Next) -> Response {
     let mut out = ApiError::new(status, kind, message).into_response();
     if let Some(allow) = parts.headers.get(header::ALLOW) {
         out.headers_mut().insert(header::ALLOW, allow.clone());
+    }
+    if anthropic {
+        return anthropic::reshape_error(out).await;
     }
     out
 }
