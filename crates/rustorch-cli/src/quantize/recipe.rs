@@ -667,9 +667,7 @@ pub fn fallback_type(
         | T::IQ3_XXS
         | T::IQ3_S
         | T::IQ4_XS => T::IQ4_NL,
-        // (and Q2_0, whose block of 64 this crate may not know yet: matched by name)
-        T::Q2_K | T::Q3_K | T::TQ1_0 | T::TQ2_0 => T::Q4_0,
-        _ if target.name() == "q2_0" => T::Q4_0,
+        T::Q2_0 | T::Q2_K | T::Q3_K | T::TQ1_0 | T::TQ2_0 => T::Q4_0,
         T::Q4_K => T::Q5_0,
         T::Q5_K => T::Q5_1,
         T::Q6_K => T::Q8_0,
@@ -781,6 +779,7 @@ mod tests {
         assert_eq!(f(512, T::Q4_K), T::Q4_K);
         assert_eq!(f(100, T::Q4_K), T::F16);
         assert_eq!(f(100, T::Q8_0), T::F16);
+        assert_eq!(f(96, T::Q2_0), T::Q4_0);
         assert!(fallback_type("x", 100, T::Q8_K).is_err());
     }
 
