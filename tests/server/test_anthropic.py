@@ -83,3 +83,11 @@ def test_missing_max_tokens_is_an_invalid_request(claude):
     assert e.value.status_code == 400
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in e.value.body["error"]["message"]
+
+
+def test_tool_blocks_are_refused_until_tool_calling_exists(claude):
+    blocks = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        create(claude, messages=[{"role": "user", "content": blocks}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "tool" in e.value.body["error"]["message"]
