@@ -79,15 +79,24 @@ fn gauss(rng: &mut StdRng) -> f32 {
 
 /// The GPU's activation quantization, exactly: per 32 values d = max|x| / 127 and
 /// q = round(x / d) (as x * (1/d)), returned dequantized as (d, q) pairs folded into f64.
+/// Activations as the GPU quantizes them (its rule in effect, see `kernels::arith`), back
+/// to values: code times the block scale it multiplies by.
 fn q8_like_gpu(x: &[f32]) -> Vec<f64> {
+    let cpu = rustorch_cuda::kernels::arith().q8_cpu;
     let mut out = Vec::with_capacity(x.len());
     for g in x.chunks(32) {
         let amax = g.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         for &v in g {
-            let q = (v * id).round() as i32;
-            out.push(d as f64 * q as f64);
+            let (q, dd) = if cpu {
+                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                let q = ((v * id).round_ties_even() as i32).clamp(-128, 127);
+                (q, f16_to_f32(f32_to_f16(d)))
+            } else {
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                ((v * id).round() as i32, d)
+            };
+            out.push(dd as f64 * q as f64);
         }
     }
     out
@@ -187,7 +196,22 @@ impl Harness {
             };
             let case = format!("{} {}x{} t={}", ty, n_rows, n_cols, nt);
             let tol = 1e-5;
-            self.push("matmul", case.clone(), &got, &emul, tol, String::new());
+            // legacy formats with ggml-cpu's activation encoding: the CPU's own products
+            // (the same block arithmetic; only the f32 summation order differs)
+            let legacy = !float && ty.block_size() == 32;
+            if legacy && rustorch_cuda::kernels::arith().q8_cpu && !cpu_note.starts_with("(cpu:") {
+                let want: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
+                self.push(
+                    "matmul",
+                    format!("{case} vs cpu"),
+                    &got,
+                    &want,
+                    tol,
+                    String::new(),
+                );
+            } else {
+                self.push("matmul", case.clone(), &got, &emul, tol, String::new());
+            }
             let tol_exact = if float { 1e-5 } else { 3e-2 };
             self.push(
                 "matmul",

@@ -11,7 +11,9 @@
 // The cells of a row are split into n_split contiguous ranges (grid z); each block of 4
 // warps walks its range (warp w takes cells w, w + 4, ...) keeping a running max m, sum s
 // and unnormalized output. With one split the block writes the output; otherwise it writes
-// (acc[hd], m, s) to `part` and attn_combine merges the splits.
+// (acc[hd], m, s) to `part` and attn_combine merges the splits. With `quant` (hd a multiple
+// of 32) the output rows are also quantized into (aq, ads) for the product that follows, as
+// quantize_q8_1 does.
 
 #define ATTN_WARPS 4
 
@@ -52,7 +54,9 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                                            const u16 *__restrict__ K, const u16 *__restrict__ V,
                                            float *__restrict__ part, float *__restrict__ out,
                                            int n_head, int n_head_kv, int hd, int kv_stride,
-                                           float scale, float softcap, u32 window, int n_split) {
+                                           float scale, float softcap, u32 window, int n_split,
+                                           i8 *__restrict__ aq, float2 *__restrict__ ads,
+                                           int quant, int cpu) {
     __shared__ float sm_m[ATTN_WARPS], sm_s[ATTN_WARPS];
     __shared__ float sm_acc[ATTN_WARPS][E * 32];
     const int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
@@ -158,6 +162,7 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
 #pragma unroll
             for (int w = 0; w < ATTN_WARPS; w++) a += sm_acc[w][i] * wt[w];
             out[o + i] = a * inv;
+            if (quant) quantize_lane(a * inv, aq, o + i, &ads[(o + i) >> 5], cpu);
         }
     } else {
         float *pp = part + (((size_t)t * n_head + h) * n_split + sp) * (hd + 2);
@@ -178,9 +183,10 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                            \
         attn_split_##E(const float *q, const u64 *rows, const u16 *K, const u16 *V,          \
                        float *part, float *out, int n_head, int n_head_kv, int hd,           \
-                       int kv_stride, float scale, float softcap, u32 window, int n_split) { \
+                       int kv_stride, float scale, float softcap, u32 window, int n_split,   \
+                       i8 *aq, float2 *ads, int quant, int cpu) {                            \
         attn_split<E>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride, scale,     \
-                      softcap, window, n_split);                                             \
+                      softcap, window, n_split, aq, ads, quant, cpu);                        \
     }
 
 ATTN_KERNEL(2)
@@ -190,7 +196,8 @@ ATTN_KERNEL(8)
 // Merges the n_split partial results of each (row, head): grid (n_head, n_rows, hd / 32
 // rounded up), 32 threads, one output element each.
 extern "C" __global__ void attn_combine(const float *__restrict__ part, float *__restrict__ out,
-                                        int n_head, int hd, int n_split) {
+                                        int n_head, int hd, int n_split, i8 *__restrict__ aq,
+                                        float2 *__restrict__ ads, int quant, int cpu) {
     const int h = blockIdx.x, t = blockIdx.y;
     const float *pp = part + ((size_t)t * n_head + h) * n_split * (hd + 2);
     float M = NEG_INF;
@@ -213,5 +220,132 @@ extern "C" __global__ void attn_combine(const float *__restrict__ part, float *_
             if (pj[hd + 1] > 0.0f) a += pj[i] * expf(pj[hd] - M);
         }
         out[o + i] = a * inv;
+        if (quant) quantize_lane(a * inv, aq, o + i, &ads[(o + i) >> 5], cpu);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Attention with the CPU backend's arithmetic (llama.cpp's CPU flash attention, see
+// rustorch-core kernels/attn.rs): one warp per (head, row) walks the row's cells in order;
+// the score is the f16 dot product summed in the CPU's order (four 16-lane accumulators over
+// blocks of 64, reduced (a0 + a2) + (a1 + a3), lanes l + 8, l + 4, then (u0 + u2) + (u1 + u3),
+// leftovers added in f64), times `scale` (already divided by `softcap` when capping); the
+// online softmax rescales on a new maximum; the value accumulator is an f16 vector rounded
+// after every update (f32 fused multiply-add then f16; with `native`, elements below the
+// last multiple of 128 are rounded once from the exact value with the weight rounded to
+// f16, as AVX512-FP16 builds do). Grid (n_head, n_rows), 32 threads.
+
+// f64 to f16 with one rounding: round to odd into f32, then to nearest even.
+__device__ __forceinline__ u16 f64_to_f16(double x) {
+    float f = __double2float_rn(x);
+    if (isfinite(f) && (double)f != x) {
+        u32 b = __float_as_uint(f);
+        if (fabs((double)f) > fabs(x)) b -= 1;
+        f = __uint_as_float(b | 1u);
+    }
+    return f2h(f);
+}
+
+template <int E>
+__device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 *__restrict__ rows,
+                                         const u16 *__restrict__ K, const u16 *__restrict__ V,
+                                         float *__restrict__ out, int n_head, int n_head_kv,
+                                         int hd, int kv_stride, float scale, float softcap,
+                                         u32 window, int native) {
+    __shared__ float prod[32 * E];
+    const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
+    const u64 *r = rows + 3 * (size_t)t;
+    const u32 *SL = (const u32 *)r[0];
+    const u32 *P = (const u32 *)r[1];
+    const int nc = (int)(r[2] & 0xffffffffull);
+    const u32 max_pos = (u32)(r[2] >> 32);
+    const u32 min_pos = (window != 0 && max_pos + 1 > window) ? max_pos + 1 - window : 0;
+    const int kvh = h / (n_head / n_head_kv);
+    const int np = hd & ~63, nb = np / 64;
+    const int npn = native ? (hd & ~127) : 0;
+    const float *qh = q + ((size_t)t * n_head + h) * hd;
+    float qr[E], acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int i = lane * E + e;
+        qr[e] = i < hd ? h2f(f2h(qh[i])) : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = NEG_INF, S = 0.0f;
+    for (int c = 0; c < nc; c++) {
+        const u32 p = P[c];
+        if (p > max_pos || p < min_pos) continue;
+        const size_t j = SL ? SL[c] : (u32)c;
+        const u16 *kr = K + j * kv_stride + (size_t)kvh * hd;
+        const u16 *vr = V + j * kv_stride + (size_t)kvh * hd;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int i = lane * E + e;
+            if (i < hd) prod[i] = qr[e] * h2f(kr[i]);  // exact: f16 x f16 fits in f32
+        }
+        __syncwarp();
+        float a = 0.0f;
+        if (lane < 16) {
+            float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int b = 0; b < nb; b++) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) a4[k] = __fadd_rn(a4[k], prod[64 * b + 16 * k + lane]);
+            }
+            a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
+        }
+        const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8));
+        const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4));
+        const float u0 = __shfl_sync(FULL_MASK, w4, 0), u1 = __shfl_sync(FULL_MASK, w4, 1);
+        const float u2 = __shfl_sync(FULL_MASK, w4, 2), u3 = __shfl_sync(FULL_MASK, w4, 3);
+        double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
+        for (int i = np; i < hd; i++) sum += (double)prod[i];
+        __syncwarp();
+        float s = __fmul_rn((float)sum, scale);
+        if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
+        float ms = 1.0f, vs = 1.0f;
+        if (s > m) {
+            ms = expf(m - s);
+            m = s;
+            const double ms16 = (double)h2f(f2h(ms));
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int i = lane * E + e;
+                acc[e] = i < npn ? h2f(f64_to_f16((double)acc[e] * ms16))
+                                 : h2f(f2h(__fmul_rn(acc[e], ms)));
+            }
+        } else {
+            vs = expf(s - m);
+        }
+        const double vs16 = (double)h2f(f2h(vs));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int i = lane * E + e;
+            if (i < hd) {
+                const float vf = h2f(vr[i]);
+                acc[e] = i < npn ? h2f(f64_to_f16(fma((double)vf, vs16, (double)acc[e])))
+                                 : h2f(f2h(__fmaf_rn(vf, vs, acc[e])));
+            }
+        }
+        S = __fmaf_rn(S, ms, vs);
+    }
+    const float inv = S == 0.0f ? 0.0f : __fdiv_rn(1.0f, S);
+    float *o = out + ((size_t)t * n_head + h) * hd;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int i = lane * E + e;
+        if (i < hd) o[i] = __fmul_rn(acc[e], inv);
+    }
+}
+
+#define ATTN_CPU_KERNEL(E)                                                                    \
+    extern "C" __global__ void __launch_bounds__(32)                                         \
+        attn_cpu_##E(const float *q, const u64 *rows, const u16 *K, const u16 *V, float *out, \
+                     int n_head, int n_head_kv, int hd, int kv_stride, float scale,          \
+                     float softcap, u32 window, int native) {                                \
+        attn_cpu<E>(q, rows, K, V, out, n_head, n_head_kv, hd, kv_stride, scale, softcap,    \
+                    window, native);                                                         \
+    }
+
+ATTN_CPU_KERNEL(2)
+ATTN_CPU_KERNEL(4)
+ATTN_CPU_KERNEL(8)

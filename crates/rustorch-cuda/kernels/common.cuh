@@ -62,3 +62,29 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 #define NEG_INF __int_as_float(0xff800000)
+
+// One value per lane of a full warp, the 32 values of one activation block: writes the
+// lane's 8-bit code to aq[i] and (lane 0) the block's (d, s = d * sum of codes) to *ds.
+// cpu = 0: code = round(v * (1 / d)), d and s in f32; cpu = 1: ggml-cpu's x86 encoding
+// (code = round_half_even(v * (127 / max|v|)), d and s rounded to f16).
+__device__ __forceinline__ void quantize_lane(float v, i8 *aq, size_t i, float2 *ds, int cpu) {
+    const float amax = warp_max(fabsf(v));
+    const float d = __fdiv_rn(amax, 127.0f);
+    int q;
+    if (cpu) {
+        const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+        q = min(127, max(-128, __float2int_rn(__fmul_rn(v, id))));
+    } else {
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        q = (int)roundf(__fmul_rn(v, id));
+    }
+    aq[i] = (i8)q;
+    const int sum = warp_sum_i(q);
+    if ((threadIdx.x & 31) == 0) {
+        float2 r;
+        const float s = __fmul_rn(d, (float)sum);
+        r.x = cpu ? h2f(f2h(d)) : d;
+        r.y = cpu ? h2f(f2h(s)) : s;
+        *ds = r;
+    }
+}

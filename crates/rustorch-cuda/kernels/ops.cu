@@ -1,15 +1,23 @@
 // Element-wise and row-wise transformer ops on f32 activations, computed like the CPU
 // kernels of rustorch-core (kernels/ops.rs): same rounding points where that is cheap.
 
-// x = rms_norm(x) * w per row of n values (out may equal x). Sum of squares in f64 as the
-// CPU does; one block per row.
-extern "C" __global__ void rms_norm(const float *x, const float *__restrict__ w, float *out,
-                                    int n, float eps) {
+// out = rms_norm(x) * w per row of n values (out may equal x). Sum of squares in f64 as the
+// CPU does; one block per row, blockDim a multiple of 32. With y, first x += y (stored).
+// With quant (n a multiple of 32), out is also quantized into (aq, ads) as quantize_q8_1
+// does (cpu: its ggml-cpu rule): each warp's 32 consecutive values form one block.
+extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
+                                    const float *__restrict__ w, float *out, int n, float eps,
+                                    i8 *__restrict__ aq, float2 *__restrict__ ads, int quant,
+                                    int cpu) {
     __shared__ double sm[32];
     const size_t base = (size_t)blockIdx.x * n;
     double s = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = x[base + i];
+        if (y != 0) {
+            v = v + y[base + i];
+            x[base + i] = v;
+        }
         s += (double)__fmul_rn(v, v);
     }
 #pragma unroll
@@ -26,8 +34,13 @@ extern "C" __global__ void rms_norm(const float *x, const float *__restrict__ w,
     __syncthreads();
     const float mean = (float)(sm[0] / (double)n);
     const float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-        out[base + i] = __fmul_rn(__fmul_rn(x[base + i], scale), w[i]);
+    const int ng = n >> 5;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float o = __fmul_rn(__fmul_rn(x[base + i], scale), w[i]);
+        out[base + i] = o;
+        if (quant)  // the warp holds block i / 32 (n and blockDim are multiples of 32)
+            quantize_lane(o, aq, base + i, &ads[(size_t)blockIdx.x * ng + (i >> 5)], cpu);
+    }
 }
 
 // cos/sin of the RoPE angle of pair i for each row's position: theta = pos * theta_scale^i
@@ -176,4 +189,62 @@ extern "C" __global__ void kv_shift(u16 *K, const u32 *__restrict__ slots, int n
     const float x0 = h2f(hp[i0]), x1 = h2f(hp[i1]);
     hp[i0] = f2h(__fmaf_rn(x0, c, -__fmul_rn(x1, s)));
     hp[i1] = f2h(__fmaf_rn(x0, s, __fmul_rn(x1, c)));
+}
+
+// RoPE of q and k and their cache write in one launch, for one batch of n_rows rows:
+// q (nh heads) and k (nkv heads) rotated in place as `rope` does (head_dim values per head,
+// the first n_rot rotated), and row r's rotated k and its v written as f16 into slot
+// slots[r] of one layer's pools. Index space: q pairs, k pairs (each also written to the
+// cache), v values, then the unrotated tail of each k head.
+extern "C" __global__ void rope_kv_write(float *q, float *k, const float *__restrict__ v,
+                                         const float *__restrict__ cs,
+                                         const float *__restrict__ sn, u16 *__restrict__ K,
+                                         u16 *__restrict__ V, const u32 *__restrict__ slots,
+                                         int n_rows, int nh, int nkv, int head_dim, int n_rot,
+                                         int neox) {
+    const int half = n_rot / 2;
+    const int kv_dim = nkv * head_dim;
+    const long long nq = (long long)n_rows * nh * half;
+    const long long nk = (long long)n_rows * nkv * half;
+    const long long nv = (long long)n_rows * kv_dim;
+    const long long nt = (long long)n_rows * nkv * (head_dim - n_rot);
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < nq + nk) {
+        const bool is_k = idx >= nq;
+        if (is_k) idx -= nq;
+        const int heads = is_k ? nkv : nh;
+        const int i = (int)(idx % half);
+        const long long rh = idx / half;
+        const int r = (int)(rh / heads), h = (int)(rh % heads);
+        float *hp = (is_k ? k : q) + (size_t)r * heads * head_dim + (size_t)h * head_dim;
+        const float c = cs[(size_t)r * half + i], s = sn[(size_t)r * half + i];
+        const int i0 = neox ? i : 2 * i;
+        const int i1 = neox ? i + half : 2 * i + 1;
+        const float x0 = hp[i0], x1 = hp[i1];
+        const float y0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+        const float y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+        hp[i0] = y0;
+        hp[i1] = y1;
+        if (is_k) {
+            u16 *kr = K + (size_t)slots[r] * kv_dim + (size_t)h * head_dim;
+            kr[i0] = f2h(y0);
+            kr[i1] = f2h(y1);
+        }
+        return;
+    }
+    idx -= nq + nk;
+    if (idx < nv) {
+        const int r = (int)(idx / kv_dim), i = (int)(idx % kv_dim);
+        V[(size_t)slots[r] * kv_dim + i] = f2h(v[idx]);
+        return;
+    }
+    idx -= nv;
+    if (idx < nt) {
+        const int tail = head_dim - n_rot;
+        const int j = (int)(idx % tail);
+        const long long rh = idx / tail;
+        const int r = (int)(rh / nkv), h = (int)(rh % nkv);
+        const size_t e = (size_t)h * head_dim + n_rot + j;
+        K[(size_t)slots[r] * kv_dim + e] = f2h(k[(size_t)r * kv_dim + e]);
+    }
 }

@@ -267,30 +267,21 @@ struct FQ6_K {
 };
 
 // ---------------------------------------------------------------------------------------
-// Activations: per token, n_cols int8 codes (aq) and per block of 32 (d, sum of codes) (ads),
-// with d = max|x| / 127 and code = round(x / d), the host's Q8 rule with d kept in f32.
+// Activations: per token, n_cols int8 codes (aq) and per block of 32 (d, s = d * sum of
+// codes) (ads), with d = max|x| / 127. Two rules: code = round(x * (1 / d)) with d and s kept
+// in f32; or (cpu != 0) ggml-cpu's x86 encoding, which our CPU backend reproduces:
+// code = round_half_even(x * (127 / max|x|)), d and s rounded to f16 (as its Q8_0/Q8_1
+// blocks store them).
 
 extern "C" __global__ void quantize_q8_1(const float *__restrict__ x, i8 *__restrict__ aq,
-                                         float2 *__restrict__ ads, int n_cols) {
+                                         float2 *__restrict__ ads, int n_cols, int cpu) {
     const int ng = n_cols >> 5;
     const int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.y;
     if (g >= ng) return;
     const size_t i = (size_t)t * n_cols + g * 32 + lane;
-    float v = x[i];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int q = (int)roundf(__fmul_rn(v, id));
-    aq[i] = (i8)q;
-    int sum = warp_sum_i(q);
-    if (lane == 0) {
-        float2 r;
-        r.x = d;
-        r.y = (float)sum;
-        ads[(size_t)t * ng + g] = r;
-    }
+    quantize_lane(x[i], aq, i, &ads[(size_t)t * ng + g], cpu);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -299,8 +290,11 @@ extern "C" __global__ void quantize_q8_1(const float *__restrict__ x, i8 *__rest
 
 #define MMV_THREADS 128
 
+// One group's product with an activation block (a, ads = (d, s)). Legacy formats (one
+// block of 32, one scale and offset) as ggml-cpu: (d_w * d_a) * sum_i + m * s.
 template <class F>
-__device__ __forceinline__ float group_dot(const Group &w, const int4 *a, float ad) {
+__device__ __forceinline__ float group_dot(const Group &w, const int4 *a, float2 ads) {
+    const float ad = ads.x;
     int4 a0 = a[0], a1 = a[1];
     int s0 = dp4a(w.v[0], a0.x, 0);
     s0 = dp4a(w.v[1], a0.y, s0);
@@ -319,55 +313,62 @@ __device__ __forceinline__ float group_dot(const Group &w, const int4 *a, float 
     u1 = dp4a(ones, a1.y, u1);
     u1 = dp4a(ones, a1.z, u1);
     u1 = dp4a(ones, a1.w, u1);
+    if (F::QK == 32) {
+        const int si = s0 + s1 + w.z0 * (u0 + u1);
+        return __fmaf_rn(__fmul_rn(w.d0, ad), (float)si, __fmul_rn(w.m0, ads.y));
+    }
     float r = w.d0 * (float)(s0 + w.z0 * u0) + w.d1 * (float)(s1 + w.z1 * u1) +
               w.m0 * (float)u0 + w.m1 * (float)u1;
     return ad * r;
 }
 
-// Sums acc[t] over the `tpr` threads of each row and writes the row's outputs.
+// Sums acc[t] over the `tpr` threads of each row; the row's first thread (threadIdx.x % tpr
+// == 0) ends with the totals. Every thread of the block must call it.
 template <int NT>
-__device__ __forceinline__ void row_reduce_store(float (&acc)[NT], float *out, int row, int n_rows,
-                                                 int n_tok, int tpr) {
+__device__ __forceinline__ void row_reduce(float (&acc)[NT], int tpr) {
     __shared__ float sm[NT][MMV_THREADS / 32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
-    if (tpr <= 32) {
-        if (lane == 0 && row < n_rows) {
-#pragma unroll
-            for (int t = 0; t < NT; t++)
-                if (t < n_tok) out[(size_t)t * n_rows + row] = acc[t];
-        }
-        return;
-    }
+    if (tpr <= 32) return;
+    __syncthreads();  // a previous reduction may still read sm
     if (lane == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++) sm[t][warp] = acc[t];
     }
     __syncthreads();
     const int wpr = tpr >> 5;
-    if ((threadIdx.x % tpr) == 0 && row < n_rows) {
+    if ((threadIdx.x % tpr) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++) {
-            if (t < n_tok) {
-                float s = 0.0f;
-                for (int w = 0; w < wpr; w++) s += sm[t][warp + w];
-                out[(size_t)t * n_rows + row] = s;
-            }
+            float s = 0.0f;
+            for (int w = 0; w < wpr; w++) s += sm[t][warp + w];
+            acc[t] = s;
         }
     }
 }
 
+// Sums acc[t] over the `tpr` threads of each row and writes the row's outputs.
+template <int NT>
+__device__ __forceinline__ void row_reduce_store(float (&acc)[NT], float *out, int row, int n_rows,
+                                                 int n_tok, int tpr) {
+    row_reduce<NT>(acc, tpr);
+    if ((threadIdx.x % tpr) == 0 && row < n_rows) {
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < n_tok) out[(size_t)t * n_rows + row] = acc[t];
+    }
+}
+
+// This thread's partial sums of row `row` of W against the quantized activations.
 template <class F, int NT>
-__device__ __forceinline__ void mmvq(const u8 *__restrict__ W, const i8 *__restrict__ aq,
-                                     const float2 *__restrict__ ads, float *__restrict__ out,
-                                     int n_rows, int n_cols, int n_tok, int tpr) {
-    const int row = blockIdx.x * (MMV_THREADS / tpr) + threadIdx.x / tpr;
+__device__ __forceinline__ void mmvq_acc(const u8 *__restrict__ W, const i8 *__restrict__ aq,
+                                         const float2 *__restrict__ ads, int row, int n_rows,
+                                         int n_cols, int n_tok, int tpr, float (&acc)[NT]) {
     const int lane = threadIdx.x % tpr;
     const int ng = n_cols >> 5;
     const int gpb = F::QK / 32;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
-    float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
     if (row < n_rows) {
@@ -379,12 +380,68 @@ __device__ __forceinline__ void mmvq(const u8 *__restrict__ W, const i8 *__restr
             for (int t = 0; t < NT; t++) {
                 if (t < n_tok) {
                     const int4 *a = (const int4 *)(aq + (size_t)t * n_cols) + 2 * gi;
-                    acc[t] += group_dot<F>(w, a, ads[(size_t)t * ng + gi].x);
+                    acc[t] += group_dot<F>(w, a, ads[(size_t)t * ng + gi]);
                 }
             }
         }
     }
-    row_reduce_store<NT>(acc, out, row, n_rows, n_tok, tpr);
+}
+
+// Up to three matrices of one format and width against the same activations, in one launch:
+// blocks 0.. serve matrix 0's rows, the next ones matrix 1's, ... With `glu` (1 = SiLU,
+// 2 = GELU) blocks serve rows of matrices 0 and 1 (same row count) together and write
+// out[0] = act(x.W0) * (x.W1), the arithmetic of the swiglu/geglu kernels.
+struct MmvJob {
+    const u8 *w[3];
+    float *out[3];
+    int rows[3];
+    int n;
+    int glu;
+    int pad;
+};
+
+template <class F, int NT>
+__device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
+                                     const float2 *__restrict__ ads, int n_cols, int n_tok,
+                                     int tpr) {
+    const int rpb = MMV_THREADS / tpr;
+    int b = blockIdx.x, m = 0;
+    if (!j.glu) {
+        for (; m < j.n - 1; m++) {
+            const int nb = (j.rows[m] + rpb - 1) / rpb;
+            if (b < nb) break;
+            b -= nb;
+        }
+    }
+    const int n_rows = j.rows[m];
+    const int row = b * rpb + threadIdx.x / tpr;
+    float acc[NT];
+    mmvq_acc<F, NT>(j.w[m], aq, ads, row, n_rows, n_cols, n_tok, tpr, acc);
+    if (!j.glu) {
+        row_reduce_store<NT>(acc, j.out[m], row, n_rows, n_tok, tpr);
+        return;
+    }
+    row_reduce<NT>(acc, tpr);
+    float up[NT];
+    mmvq_acc<F, NT>(j.w[1], aq, ads, row, n_rows, n_cols, n_tok, tpr, up);
+    row_reduce<NT>(up, tpr);
+    if ((threadIdx.x % tpr) == 0 && row < n_rows) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n_tok) {
+                const float x = acc[t];
+                float g;
+                if (j.glu == 1) {
+                    g = __fdiv_rn(x, 1.0f + expf(-x));
+                } else {
+                    const float inner = __fmaf_rn(__fmul_rn(0.044715f, x), x, 1.0f);
+                    g = __fmul_rn(1.0f + tanhf(__fmul_rn(__fmul_rn(0.7978846f, x), inner)),
+                                  __fmul_rn(0.5f, x));
+                }
+                j.out[0][(size_t)t * n_rows + row] = __fmul_rn(g, up[t]);
+            }
+        }
+    }
 }
 
 // Float weights (F32, F16, BF16) against f32 activations.
@@ -418,9 +475,9 @@ __device__ __forceinline__ void mmv_float(const u8 *__restrict__ W, const float 
 
 #define MMVQ_KERNEL(NAME, F, NT)                                                              \
     extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
-        mmvq_##NAME##_##NT(const u8 *W, const i8 *aq, const float2 *ads, float *out,         \
-                           int n_rows, int n_cols, int n_tok, int tpr) {                     \
-        mmvq<F, NT>(W, aq, ads, out, n_rows, n_cols, n_tok, tpr);                            \
+        mmvq_##NAME##_##NT(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int n_tok,  \
+                           int tpr) {                                                        \
+        mmvq<F, NT>(j, aq, ads, n_cols, n_tok, tpr);                                         \
     }
 
 #define MMVQ_ALL(NAME, F)                                                                     \

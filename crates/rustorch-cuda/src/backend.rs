@@ -62,6 +62,29 @@ pub struct CudaAngles {
 /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph.
 pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
 
+/// What a deferred rotation rotates with: the RoPE, the head size, and the angles' device
+/// addresses and lengths.
+#[derive(Debug, Clone, Copy)]
+struct RopeArgs {
+    rope: Rope,
+    head_dim: usize,
+    cos: (u64, usize),
+    sin: (u64, usize),
+}
+
+impl RopeArgs {
+    fn same(&self, o: &RopeArgs) -> bool {
+        let (a, b) = (&self.rope, &o.rope);
+        a.mode == b.mode
+            && a.n_rot == b.n_rot
+            && a.freq_base.to_bits() == b.freq_base.to_bits()
+            && a.freq_scale.to_bits() == b.freq_scale.to_bits()
+            && self.head_dim == o.head_dim
+            && self.cos == o.cos
+            && self.sin == o.sin
+    }
+}
+
 /// The state a call uses: its own, or its model's.
 enum StateRef<'a> {
     Own(Box<CudaState>),
@@ -77,6 +100,14 @@ pub struct Cuda<'a> {
     err: Option<CudaError>,
     /// Buffers read while launches were recorded: (address, length).
     reads: Vec<(u64, usize)>,
+    /// A residual add `x += y` not launched yet (addresses, length): the next norm of `x`
+    /// does it in the same launch; any other op launches it first.
+    pending_add: Option<(u64, u64, usize)>,
+    /// Rotations not launched yet (buffer address, length; at most two: the call's q and
+    /// k), all with `rope_args`: attention rotates q and k and writes the cache in one
+    /// launch; any other op launches them first.
+    pending_rope: Vec<(u64, usize)>,
+    rope_args: Option<RopeArgs>,
     /// This call's attention inputs, uploaded by its first attention op, and the layer of
     /// the last attention op (a layer not after it starts another forward call).
     attn_in: Option<AttnInputs>,
@@ -107,6 +138,9 @@ impl<'a> Cuda<'a> {
             hook,
             err: None,
             reads: Vec::new(),
+            pending_add: None,
+            pending_rope: Vec::new(),
+            rope_args: None,
             attn_in: None,
             attn_layer: 0,
             layer: 0,
@@ -192,6 +226,7 @@ impl<'a> Cuda<'a> {
         self.reset_call();
         dev.set_launch_mode(LaunchMode::DryRun);
         let dry = f(self);
+        self.touch();
         let (sig, launches) = dev.launch_signature();
         dev.set_launch_mode(LaunchMode::Run);
         let reads = std::mem::take(&mut self.reads);
@@ -215,6 +250,7 @@ impl<'a> Cuda<'a> {
         let cap = step::capture(dev, || {
             dev.set_launch_mode(LaunchMode::Record);
             let r = f(self);
+            self.touch();
             let s = dev.launch_signature();
             dev.set_launch_mode(LaunchMode::Run);
             (r.is_ok(), s)
@@ -256,10 +292,54 @@ impl<'a> Cuda<'a> {
         Ok((out, None))
     }
 
+    /// Launches a deferred residual add.
+    fn flush_add(&mut self) {
+        if let Some((x, y, n)) = self.pending_add.take() {
+            // SAFETY: the addresses are of the two buffers `add` was given, which the
+            // architecture keeps alive through the call.
+            let r = unsafe { self.dev.add_raw(x, y, n) };
+            self.keep(r);
+            self.st().s.acts_of = None;
+        }
+    }
+
+    /// Launches deferred rotations.
+    fn flush_rope(&mut self) {
+        let Some(a) = self.rope_args.take() else {
+            self.pending_rope.clear();
+            return;
+        };
+        for (p, n) in std::mem::take(&mut self.pending_rope) {
+            // SAFETY: the buffers `rope` was given and the angles stay alive through the
+            // call (the architecture's workspace).
+            let r = unsafe {
+                let mut x = GpuVec::<f32>::borrowed(p, n);
+                let (c, s) = (
+                    GpuVec::<f32>::borrowed(a.cos.0, a.cos.1),
+                    GpuVec::<f32>::borrowed(a.sin.0, a.sin.1),
+                );
+                self.dev.rope(&mut x, &a.rope, a.head_dim, &c, &s)
+            };
+            self.keep(r);
+        }
+    }
+
+    /// Before an op other than a product: launches deferred adds and rotations, and
+    /// forgets the quantized activations a norm left (the op may change their buffer).
+    fn touch(&mut self) {
+        self.flush_add();
+        self.flush_rope();
+        self.st().s.acts_of = None;
+    }
+
     /// Forgets what the last run of the architecture's code left behind.
     fn reset_call(&mut self) {
         self.err = None;
         self.reads.clear();
+        self.pending_add = None;
+        self.pending_rope.clear();
+        self.rope_args = None;
+        self.st().s.acts_of = None;
         self.attn_in = None;
         self.attn_layer = 0;
         self.layer = 0;
@@ -273,6 +353,7 @@ impl<'a> Cuda<'a> {
 
     /// Waits for the queued ops and returns the first error of the call, if any.
     pub fn finish(&mut self) -> Result<(), BackendError> {
+        self.touch();
         self.check()?;
         self.dev.synchronize().map_err(be_err)
     }
@@ -301,6 +382,7 @@ impl<'a> Cuda<'a> {
         cache: &KvCache,
         cells: &[usize],
         out: &mut GpuVec<f32>,
+        rope: Option<RopeArgs>,
     ) -> Result<(), CudaError> {
         let store = cache
             .store()
@@ -355,7 +437,35 @@ impl<'a> Cuda<'a> {
         // SAFETY: the slots come from the cache's bookkeeping, below the store's slot
         // count; the descriptors point into buffers that live as long as this call.
         unsafe {
-            dev.kv_write(k, v, kvd, lk, lv, slots, n)?;
+            match rope {
+                Some(a) => {
+                    // q and k rotated here (their `rope` calls were deferred), k and v
+                    // written to the cache in the same launch
+                    let (mut qv, mut kv) = (
+                        GpuVec::<f32>::borrowed(q.ptr(), q.len()),
+                        GpuVec::<f32>::borrowed(k.ptr(), k.len()),
+                    );
+                    let (c, s) = (
+                        GpuVec::<f32>::borrowed(a.cos.0, a.cos.1),
+                        GpuVec::<f32>::borrowed(a.sin.0, a.sin.1),
+                    );
+                    dev.rope_kv_write(
+                        &mut qv,
+                        &mut kv,
+                        v,
+                        &a.rope,
+                        a.head_dim,
+                        &c,
+                        &s,
+                        spec.n_head_kv,
+                        lk,
+                        lv,
+                        slots,
+                        n,
+                    )?;
+                }
+                None => dev.kv_write(k, v, kvd, lk, lv, slots, n)?,
+            }
             dev.attention(
                 &shape,
                 q,
@@ -450,6 +560,7 @@ impl<'a> Backend for Cuda<'a> {
         tokens: &[u32],
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.touch();
         self.check()?;
         let dev = self.dev;
         let inp = &self.st().inp;
@@ -464,11 +575,34 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn rms_norm(&mut self, x: &GpuVec<f32>, w: &GpuVec<f32>, eps: f32, out: &mut GpuVec<f32>) {
-        let r = self.dev.rms_norm(x, w, eps, out);
+        // a deferred `x += y` joins the norm's launch; the norm also quantizes its output
+        // for the product that follows
+        let y = match self.pending_add {
+            Some((px, py, n)) if px == x.ptr() && n == x.len() => {
+                self.pending_add = None;
+                Some(py)
+            }
+            _ => {
+                self.flush_add();
+                None
+            }
+        };
+        let dev = self.dev;
+        let st = self.st();
+        st.s.acts_of = None;
+        let r = match y {
+            Some(py) => {
+                // SAFETY: `py` is the live buffer `add` was given, of x's length.
+                let yv = unsafe { GpuVec::<f32>::borrowed(py, x.len()) };
+                dev.add_rms_norm(x, Some(&yv), w, eps, out, Some(&mut st.s))
+            }
+            None => dev.add_rms_norm(x, None, w, eps, out, Some(&mut st.s)),
+        };
         self.keep(r);
     }
 
     fn rms_norm_inplace(&mut self, x: &mut GpuVec<f32>, w: &GpuVec<f32>, eps: f32) {
+        self.touch();
         let r = self.dev.rms_norm_inplace(x, w, eps);
         self.keep(r);
     }
@@ -479,6 +613,7 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.flush_add();
         self.check()?;
         let dev = self.dev;
         dev.matmul(w, x, out, &mut self.st().s).map_err(be_err)
@@ -490,6 +625,7 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         outs: &mut [&mut GpuVec<f32>],
     ) -> Result<(), BackendError> {
+        self.flush_add();
         self.check()?;
         let dev = self.dev;
         dev.matmul_many(ws, x, outs, &mut self.st().s)
@@ -505,8 +641,14 @@ impl<'a> Backend for Cuda<'a> {
         gate: &mut GpuVec<f32>,
         up: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.flush_add();
         self.check()?;
         let dev = self.dev;
+        if self.hook.is_none() {
+            if let Some(r) = dev.glu_fused(act == Glu::Gelu, wg, wu, x, gate, &mut self.st().s) {
+                return r.map_err(be_err);
+            }
+        }
         dev.matmul_many(&[wg, wu], x, &mut [&mut *gate, &mut *up], &mut self.st().s)
             .map_err(be_err)?;
         if self.hook.is_some() {
@@ -523,27 +665,36 @@ impl<'a> Backend for Cuda<'a> {
         _x: &GpuVec<f32>,
         _out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.touch();
         Err(be_err(CudaError::Unsupported(
             "mixture-of-experts feed-forward (not yet on the GPU)".into(),
         )))
     }
 
     fn add(&mut self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) {
-        let r = self.dev.add(x, y);
-        self.keep(r);
+        self.touch();
+        if y.len() < x.len() {
+            let r = self.dev.add(x, y);
+            self.keep(r);
+            return;
+        }
+        self.pending_add = Some((x.ptr(), y.ptr(), x.len()));
     }
 
     fn add_bias(&mut self, x: &mut GpuVec<f32>, b: &GpuVec<f32>) {
+        self.touch();
         let r = self.dev.add_bias(x, b);
         self.keep(r);
     }
 
     fn scale(&mut self, x: &mut GpuVec<f32>, s: f32) {
+        self.touch();
         let r = self.dev.scale(x, s);
         self.keep(r);
     }
 
     fn softcap(&mut self, x: &mut GpuVec<f32>, cap: f32) {
+        self.touch();
         let r = self.dev.softcap(x, cap);
         self.keep(r);
     }
@@ -555,6 +706,7 @@ impl<'a> Backend for Cuda<'a> {
         freqs: Option<&GpuVec<f32>>,
         out: &mut CudaAngles,
     ) {
+        self.touch();
         let dev = self.dev;
         let inp = &self.st().inp;
         let r = if inp.valid && inp.positions == positions {
@@ -572,8 +724,24 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn rope(&mut self, x: &mut GpuVec<f32>, rope: &Rope, head_dim: usize, a: &CudaAngles) {
-        let r = self.dev.rope(x, rope, head_dim, &a.cos, &a.sin);
-        self.keep(r);
+        self.flush_add();
+        self.st().s.acts_of = None;
+        let args = RopeArgs {
+            rope: *rope,
+            head_dim,
+            cos: (a.cos.ptr(), a.cos.len()),
+            sin: (a.sin.ptr(), a.sin.len()),
+        };
+        let same = self.rope_args.is_some_and(|p| p.same(&args));
+        if !self.pending_rope.is_empty() && (self.pending_rope.len() >= 2 || !same) {
+            self.flush_rope();
+        }
+        if rope.n_rot < 2 {
+            return;
+        }
+        // deferred: attention does it with its cache write (see `pending_rope`)
+        self.pending_rope.push((x.ptr(), x.len()));
+        self.rope_args = Some(args);
     }
 
     fn attention(
@@ -587,7 +755,16 @@ impl<'a> Backend for Cuda<'a> {
         cells: &[usize],
         out: &mut GpuVec<f32>,
     ) {
-        let r = self.attention_in_place(spec, rows, q, k, v, cache, cells, out);
+        self.flush_add();
+        let fused = self.pending_rope[..] == [(q.ptr(), q.len()), (k.ptr(), k.len())];
+        let rope = if fused {
+            self.pending_rope.clear();
+            self.rope_args.take()
+        } else {
+            None
+        };
+        self.touch();
+        let r = self.attention_in_place(spec, rows, q, k, v, cache, cells, out, rope);
         self.keep(r);
     }
 
@@ -595,6 +772,7 @@ impl<'a> Backend for Cuda<'a> {
         if x.len() == rows.len() * width && rows.iter().enumerate().all(|(i, &r)| i == r) {
             return;
         }
+        self.touch();
         let dev = self.dev;
         let st = self.st();
         let ok = rows.iter().all(|&r| (r + 1) * width <= x.len());
@@ -622,6 +800,7 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn read<'b>(&mut self, x: &'b GpuVec<f32>) -> Cow<'b, [f32]> {
+        self.touch();
         if self.dev.launch_mode() != LaunchMode::Run {
             self.reads.push((x.ptr(), x.len()));
             return Cow::Owned(Vec::new());

@@ -523,6 +523,19 @@ impl<T> Default for GpuVec<T> {
 }
 
 impl<T: DeviceRepr> GpuVec<T> {
+    /// A view of `len` values at device address `ptr` that owns nothing (dropping it frees
+    /// nothing).
+    ///
+    /// # Safety
+    /// The memory must stay live while the view is used; it must not be resized.
+    pub(crate) unsafe fn borrowed(ptr: u64, len: usize) -> Self {
+        GpuVec {
+            buf: None,
+            ptr,
+            len,
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

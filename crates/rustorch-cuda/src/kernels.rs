@@ -32,6 +32,31 @@ const TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
 const ATTN_E: [usize; 3] = [2, 4, 8];
 const MMV_THREADS: usize = 128;
 
+/// Arithmetic choices where the GPU follows our CPU backend (llama.cpp's CPU) more or less
+/// closely, read once from the environment:
+/// activations are quantized as ggml-cpu does (`127 / max` inverse scale, ties to even,
+/// block scales rounded to f16, so legacy-format products equal the CPU's up to f32
+/// summation order); `RUSTORCH_CUDA_Q8=f32` keeps f32 block scales instead.
+/// `RUSTORCH_CUDA_ATTN=cpu` runs attention as the CPU's flash attention (one warp walks a
+/// head's cells in order, scores summed in the CPU's order, the value accumulator rounded
+/// to f16 after every update) instead of the split f32 kernel: slower, for comparisons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Arith {
+    pub q8_cpu: bool,
+    pub attn_cpu: bool,
+}
+
+pub fn arith() -> Arith {
+    static A: std::sync::OnceLock<Arith> = std::sync::OnceLock::new();
+    *A.get_or_init(|| {
+        let var = |k: &str| std::env::var(k).unwrap_or_default();
+        Arith {
+            q8_cpu: var("RUSTORCH_CUDA_Q8") != "f32",
+            attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu",
+        }
+    })
+}
+
 fn stem(ty: GgmlType) -> Option<&'static str> {
     FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
 }
@@ -61,6 +86,7 @@ pub fn kernel_names() -> Vec<String> {
         "geglu",
         "gather_rows",
         "kv_write",
+        "rope_kv_write",
         "kv_copy",
         "kv_shift",
         "attn_combine",
@@ -77,6 +103,7 @@ pub fn kernel_names() -> Vec<String> {
     }
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
+        v.push(format!("attn_cpu_{e}"));
     }
     v
 }
@@ -104,7 +131,25 @@ pub struct Scratch {
     ads: GpuVec<f32>,
     ids: GpuVec<u32>,
     part: GpuVec<f32>,
+    /// The buffer (address, length, row width) whose quantization `aq`/`ads` hold, when a
+    /// fused norm left it there for the next product ([`CudaDevice::add_rms_norm`]).
+    pub(crate) acts_of: Option<(u64, usize, usize)>,
 }
+
+/// The matrices of one `mmvq_*` launch (the kernels' `MmvJob`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct MmvJob {
+    w: [u64; 3],
+    out: [u64; 3],
+    rows: [i32; 3],
+    n: i32,
+    glu: i32,
+    pad: i32,
+}
+
+// SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
+unsafe impl cudarc::driver::DeviceRepr for MmvJob {}
 
 /// One query row's cells for [`CudaDevice::attention`]: the device address of their slots
 /// in the K/V pools (u32 per cell; 0 = cell `c` is slot `c`) and of their positions (u32 per
@@ -231,15 +276,20 @@ impl CudaDevice {
         s: &mut Scratch,
     ) -> Result<()> {
         check_len("activations", x.len(), n_tok * n_cols)?;
+        if s.acts_of == Some((x.ptr(), x.len(), n_cols)) {
+            return Ok(());
+        }
+        s.acts_of = None;
         let ng = n_cols / 32;
         s.aq.resize(self, n_tok * n_cols)?;
         s.ads.resize(self, n_tok * ng * 2)?;
         let (xp, aq, ads, nc) = (x.ptr(), s.aq.ptr(), s.ads.ptr(), n_cols as i32);
+        let cpu = i32::from(arith().q8_cpu);
         self.launch(
             "quantize_q8_1",
             (blocks(ng, 8), n_tok as u32, 1),
             256,
-            &[&xp, &aq, &ads, &nc],
+            &[&xp, &aq, &ads, &nc, &cpu],
         )?;
         Ok(())
     }
@@ -283,31 +333,27 @@ impl CudaDevice {
         if ws.iter().any(|w| !is_float(w.ty)) {
             self.quantize_acts(x, n_tok, n_cols, s)?;
         }
+        // quantized matrices of one format share a launch (up to three)
+        if ws.len() <= 3 && !is_float(first.ty) && ws.iter().all(|w| w.ty == first.ty) {
+            return self.mmvq(ws, n_tok, outs, 0, s);
+        }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.mmv(w, x, n_tok, out, s)?;
+            if is_float(w.ty) {
+                self.mmv_float(w, x, n_tok, out)?;
+            } else {
+                self.mmvq(&[w], n_tok, &mut [&mut **out], 0, s)?;
+            }
         }
         Ok(())
     }
 
-    /// The product with activations already quantized into `s` (quantized formats).
-    fn mmv(
-        &self,
-        w: &CudaMatrix,
-        x: &GpuVec<f32>,
-        n_tok: usize,
-        out: &mut GpuVec<f32>,
-        s: &Scratch,
-    ) -> Result<()> {
-        out.resize(self, n_tok * w.n_rows)?;
-        let st = stem(w.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
-        let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
-        let float = is_float(w.ty);
-        let items = if float { w.n_cols } else { w.n_cols / 32 };
-        let tpr = threads_per_row(items);
-        let grid = blocks(w.n_rows, MMV_THREADS / tpr);
-        let tpr_i = tpr as i32;
+    /// Tokens of each launch: tiles of 1, 2, 4 or 8 over `n_tok`, as `(first, count, tile)`.
+    fn token_tiles(n_tok: usize) -> impl Iterator<Item = (usize, usize, usize)> {
         let mut t0 = 0;
-        while t0 < n_tok {
+        std::iter::from_fn(move || {
+            if t0 >= n_tok {
+                return None;
+            }
             let left = n_tok - t0;
             let nt = TOKEN_TILES
                 .iter()
@@ -315,29 +361,120 @@ impl CudaDevice {
                 .find(|&t| t >= left.min(8))
                 .unwrap_or(8);
             let cnt = left.min(nt);
+            let r = (t0, cnt, nt);
+            t0 += cnt;
+            Some(r)
+        })
+    }
+
+    /// The product of a float matrix (F32, F16, BF16) with f32 activations.
+    fn mmv_float(
+        &self,
+        w: &CudaMatrix,
+        x: &GpuVec<f32>,
+        n_tok: usize,
+        out: &mut GpuVec<f32>,
+    ) -> Result<()> {
+        out.resize(self, n_tok * w.n_rows)?;
+        let st = stem(w.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
+        let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
+        let tpr = threads_per_row(w.n_cols);
+        let grid = blocks(w.n_rows, MMV_THREADS / tpr);
+        let tpr_i = tpr as i32;
+        for (t0, cnt, nt) in Self::token_tiles(n_tok) {
             let cnt_i = cnt as i32;
             let op = out.ptr() + (t0 * w.n_rows * 4) as u64;
-            if float {
-                let xp = x.ptr() + (t0 * w.n_cols * 4) as u64;
-                self.launch(
-                    &format!("mmv_{st}_{nt}"),
-                    (grid, 1, 1),
-                    MMV_THREADS as u32,
-                    &[&wp, &xp, &op, &nr, &nc, &cnt_i, &tpr_i],
-                )?;
-            } else {
-                let aq = s.aq.ptr() + (t0 * w.n_cols) as u64;
-                let ads = s.ads.ptr() + (t0 * (w.n_cols / 32) * 8) as u64;
-                self.launch(
-                    &format!("mmvq_{st}_{nt}"),
-                    (grid, 1, 1),
-                    MMV_THREADS as u32,
-                    &[&wp, &aq, &ads, &op, &nr, &nc, &cnt_i, &tpr_i],
-                )?;
-            }
-            t0 += cnt;
+            let xp = x.ptr() + (t0 * w.n_cols * 4) as u64;
+            self.launch(
+                &format!("mmv_{st}_{nt}"),
+                (grid, 1, 1),
+                MMV_THREADS as u32,
+                &[&wp, &xp, &op, &nr, &nc, &cnt_i, &tpr_i],
+            )?;
         }
         Ok(())
+    }
+
+    /// Products of up to three quantized matrices of one format and width with the
+    /// activations already quantized into `s`, one launch per token tile; with `glu` (1 =
+    /// SiLU, 2 = GELU; two matrices of equal rows) `outs[0]` gets `act(x·W0) ⊙ x·W1`.
+    fn mmvq(
+        &self,
+        ws: &[&CudaMatrix],
+        n_tok: usize,
+        outs: &mut [&mut GpuVec<f32>],
+        glu: i32,
+        s: &Scratch,
+    ) -> Result<()> {
+        let first = ws[0];
+        let st = stem(first.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
+        let n_cols = first.n_cols;
+        let tpr = threads_per_row(n_cols / 32);
+        let rpb = MMV_THREADS / tpr;
+        let mut job = MmvJob::default();
+        let n_out = if glu != 0 { 1 } else { ws.len() };
+        for (m, out) in outs.iter_mut().enumerate().take(n_out) {
+            out.resize(self, n_tok * ws[m].n_rows)?;
+        }
+        let grid: usize = if glu != 0 {
+            ws[0].n_rows.div_ceil(rpb)
+        } else {
+            ws.iter().map(|w| w.n_rows.div_ceil(rpb)).sum()
+        };
+        job.n = ws.len() as i32;
+        job.glu = glu;
+        for (m, w) in ws.iter().enumerate() {
+            job.w[m] = w.data.ptr();
+            job.rows[m] = w.n_rows as i32;
+        }
+        let (nc, tpr_i) = (n_cols as i32, tpr as i32);
+        for (t0, cnt, nt) in Self::token_tiles(n_tok) {
+            for m in 0..n_out {
+                job.out[m] = outs[m].ptr() + (t0 * ws[m].n_rows * 4) as u64;
+            }
+            let cnt_i = cnt as i32;
+            let aq = s.aq.ptr() + (t0 * n_cols) as u64;
+            let ads = s.ads.ptr() + (t0 * (n_cols / 32) * 8) as u64;
+            self.launch(
+                &format!("mmvq_{st}_{nt}"),
+                (grid as u32, 1, 1),
+                MMV_THREADS as u32,
+                &[&job, &aq, &ads, &nc, &cnt_i, &tpr_i],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `gate = act(x·Wg) ⊙ x·Wu` in one launch per token tile (same quantized format and
+    /// shape); `gelu`: ggml's tanh GELU, else SiLU. `None` when the matrices do not allow it
+    /// (nothing was done).
+    pub fn glu_fused(
+        &self,
+        gelu: bool,
+        wg: &CudaMatrix,
+        wu: &CudaMatrix,
+        x: &GpuVec<f32>,
+        gate: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Option<Result<()>> {
+        if is_float(wg.ty) || wg.ty != wu.ty || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
+            return None;
+        }
+        let n_cols = wg.n_cols;
+        if !x.len().is_multiple_of(n_cols) {
+            return None;
+        }
+        let n_tok = x.len() / n_cols;
+        let mut spare = GpuVec::default();
+        Some(self.quantize_acts(x, n_tok, n_cols, s).and_then(|_| {
+            self.mmvq(
+                &[wg, wu],
+                n_tok,
+                &mut [gate, &mut spare],
+                1 + i32::from(gelu),
+                s,
+            )
+        }))
     }
 
     /// `out[i] = dequantize(table[ids[i]])`, the host dequantizer's values exactly.
@@ -399,32 +536,91 @@ impl CudaDevice {
         out: &mut GpuVec<f32>,
     ) -> Result<()> {
         out.resize(self, x.len())?;
-        self.rms_norm_ptrs(x.ptr(), x.len(), w, eps, out.ptr())
+        self.norm_raw(x.ptr(), 0, x.len(), w, eps, out.ptr(), None)
     }
 
     /// `x = rms_norm(x) * w` in place.
     pub fn rms_norm_inplace(&self, x: &mut GpuVec<f32>, w: &GpuVec<f32>, eps: f32) -> Result<()> {
-        self.rms_norm_ptrs(x.ptr(), x.len(), w, eps, x.ptr())
+        self.norm_raw(x.ptr(), 0, x.len(), w, eps, x.ptr(), None)
     }
 
-    fn rms_norm_ptrs(&self, x: u64, len: usize, w: &GpuVec<f32>, eps: f32, out: u64) -> Result<()> {
+    /// One launch: `x += y` (when given), `out = rms_norm(x) * w` per row of `w.len()`
+    /// values, and with `s` (rows a multiple of 32 wide) `out` quantized into `s` for the
+    /// next product of `out`, which then skips its own quantization. `x` is changed
+    /// through its address (the caller owns it).
+    pub fn add_rms_norm(
+        &self,
+        x: &GpuVec<f32>,
+        y: Option<&GpuVec<f32>>,
+        w: &GpuVec<f32>,
+        eps: f32,
+        out: &mut GpuVec<f32>,
+        s: Option<&mut Scratch>,
+    ) -> Result<()> {
+        if let Some(y) = y {
+            check_len("add", y.len(), x.len())?;
+        }
+        out.resize(self, x.len())?;
+        let n = w.len();
+        let s = s.filter(|_| n.is_multiple_of(32) && n > 0 && x.len().is_multiple_of(n));
+        self.norm_raw(
+            x.ptr(),
+            y.map_or(0, |y| y.ptr()),
+            x.len(),
+            w,
+            eps,
+            out.ptr(),
+            s,
+        )?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_raw(
+        &self,
+        x: u64,
+        y: u64,
+        len: usize,
+        w: &GpuVec<f32>,
+        eps: f32,
+        out: u64,
+        s: Option<&mut Scratch>,
+    ) -> Result<()> {
         let n = w.len();
         if n == 0 || !len.is_multiple_of(n) {
             return Err(CudaError::Unsupported(format!(
                 "rms_norm of {len} values in rows of {n}"
             )));
         }
+        let (aq, ads, quant) = match s {
+            Some(s) => {
+                s.aq.resize(self, len)?;
+                s.ads.resize(self, len / 32 * 2)?;
+                s.acts_of = Some((out, len, n));
+                (s.aq.ptr(), s.ads.ptr(), 1i32)
+            }
+            None => (0u64, 0u64, 0i32),
+        };
         if len == 0 {
             return Ok(());
         }
-        let (wp, ni) = (w.ptr(), n as i32);
+        let (wp, ni, cpu) = (w.ptr(), n as i32, i32::from(arith().q8_cpu));
         let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
         self.launch(
             "rms_norm",
             ((len / n) as u32, 1, 1),
             threads,
-            &[&x, &wp, &out, &ni, &eps],
+            &[&x, &y, &wp, &out, &ni, &eps, &aq, &ads, &quant, &cpu],
         )
+    }
+
+    /// `x += y` at device addresses (`n` values).
+    ///
+    /// # Safety
+    /// Both must hold `n` values of live device memory.
+    pub unsafe fn add_raw(&self, x: u64, y: u64, n: usize) -> Result<()> {
+        let ni = n as i64;
+        self.launch_1d("add_f32", n, &[&x, &y, &ni])
     }
 
     /// cos/sin of `rope`'s angles for each position (`pos`: u32 positions on the device,
@@ -659,6 +855,32 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
+        if split.is_none() && arith().attn_cpu {
+            s.acts_of = None;
+            let scale = if shape.softcap != 0.0 {
+                shape.scale / shape.softcap
+            } else {
+                shape.scale
+            };
+            let native = i32::from(rustorch_core::kernels::native_f16());
+            let (qp, op) = (q.ptr(), out.ptr());
+            let (nhi, nkv, hdi, kvs) = (
+                nh as i32,
+                shape.n_head_kv as i32,
+                hd as i32,
+                shape.kv_stride as i32,
+            );
+            let (cap, win) = (shape.softcap, shape.window);
+            return self.launch(
+                &format!("attn_cpu_{e}"),
+                (nh as u32, n as u32, 1),
+                32,
+                &[
+                    &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
+                    &native,
+                ],
+            );
+        }
         let n_split = match split {
             Some(k) => k.max(1),
             None => auto_splits(self.info.multiprocessors, n * nh, max_cells),
@@ -666,6 +888,16 @@ impl CudaDevice {
         if n_split > 1 {
             s.part.resize(self, n * nh * n_split * (hd + 2))?;
         }
+        // the output quantized for the product that follows
+        let quant = i32::from(hd.is_multiple_of(32));
+        if quant == 1 {
+            s.aq.resize(self, n * nh * hd)?;
+            s.ads.resize(self, n * nh * hd / 32 * 2)?;
+            s.acts_of = Some((out.ptr(), n * nh * hd, nh * hd));
+        } else {
+            s.acts_of = None;
+        }
+        let (aq, ads, cpu) = (s.aq.ptr(), s.ads.ptr(), i32::from(arith().q8_cpu));
         let (qp, pp, op) = (q.ptr(), s.part.ptr(), out.ptr());
         let (nhi, nkv, hdi, kvs, ns) = (
             nh as i32,
@@ -681,7 +913,7 @@ impl CudaDevice {
             128,
             &[
                 &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap, &win,
-                &ns,
+                &ns, &aq, &ads, &quant, &cpu,
             ],
         )?;
         if n_split > 1 {
@@ -689,10 +921,71 @@ impl CudaDevice {
                 "attn_combine",
                 (nh as u32, n as u32, hd.div_ceil(32) as u32),
                 32,
-                &[&pp, &op, &nhi, &hdi, &ns],
+                &[&pp, &op, &nhi, &hdi, &ns, &aq, &ads, &quant, &cpu],
             )?;
         }
         Ok(())
+    }
+
+    /// [`CudaDevice::rope`] of `q` and `k` (rows of `n_head`, `n_head_kv` heads) and the
+    /// [`CudaDevice::kv_write`] of the rotated `k` and of `v`, in one launch.
+    ///
+    /// # Safety
+    /// As [`CudaDevice::kv_write`]; `slots` holds one slot per row.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_kv_write(
+        &self,
+        q: &mut GpuVec<f32>,
+        k: &mut GpuVec<f32>,
+        v: &GpuVec<f32>,
+        rope: &Rope,
+        head_dim: usize,
+        cos: &GpuVec<f32>,
+        sin: &GpuVec<f32>,
+        n_head_kv: usize,
+        pool_k: u64,
+        pool_v: u64,
+        slots: u64,
+        n: usize,
+    ) -> Result<()> {
+        let half = rope.n_rot / 2;
+        let kv_dim = n_head_kv * head_dim;
+        if head_dim == 0
+            || rope.n_rot > head_dim
+            || !q.len().is_multiple_of(head_dim)
+            || n == 0
+            || k.len() != n * kv_dim
+            || v.len() != n * kv_dim
+            || cos.len() < n * half
+            || sin.len() < n * half
+        {
+            return Err(CudaError::Unsupported(format!(
+                "rope_kv_write: {} q, {} k, {} v values over {n} rows",
+                q.len(),
+                k.len(),
+                v.len()
+            )));
+        }
+        let nh = q.len() / n / head_dim;
+        let total =
+            n * (nh * half + n_head_kv * half + kv_dim + n_head_kv * (head_dim - rope.n_rot));
+        let neox = i32::from(rope.mode == RopeMode::Neox);
+        let (qp, kp, vp, cp, sp) = (q.ptr(), k.ptr(), v.ptr(), cos.ptr(), sin.ptr());
+        let (nr, nhi, nkv, hd, rot) = (
+            n as i32,
+            nh as i32,
+            n_head_kv as i32,
+            head_dim as i32,
+            rope.n_rot as i32,
+        );
+        self.launch_1d(
+            "rope_kv_write",
+            total,
+            &[
+                &qp, &kp, &vp, &cp, &sp, &pool_k, &pool_v, &slots, &nr, &nhi, &nkv, &hd, &rot,
+                &neox,
+            ],
+        )
     }
 
     /// For each pair `(src, dst)` (u32 pairs on the device at `pairs`): slot `dst` of every
