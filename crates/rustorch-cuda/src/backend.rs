@@ -193,7 +193,9 @@ impl<'a> Cuda<'a> {
             .filter_map(|&id| cache.seq(id).map(|c| (id, &c.slots[..], &c.pos[..])))
             .collect();
         let dev = self.dev;
-        self.st()
+        let t0 = std::time::Instant::now();
+        let r = self
+            .st()
             .inp
             .upload(
                 dev,
@@ -205,7 +207,9 @@ impl<'a> Cuda<'a> {
                 out_rows,
                 &seqs,
             )
-            .map_err(be_err)
+            .map_err(be_err);
+        self.st().graphs.stats.prepare_ns += t0.elapsed().as_nanos() as u64;
+        r
     }
 
     /// Runs one call: `f` is the architecture's forward pass on this backend. With `graph`
@@ -223,6 +227,7 @@ impl<'a> Cuda<'a> {
         }
         let dev = self.dev;
         // dry run: the signature of what the call would launch
+        let t0 = std::time::Instant::now();
         self.reset_call();
         dev.set_launch_mode(LaunchMode::DryRun);
         let dry = f(self);
@@ -230,6 +235,7 @@ impl<'a> Cuda<'a> {
         let (sig, launches) = dev.launch_signature();
         dev.set_launch_mode(LaunchMode::Run);
         let reads = std::mem::take(&mut self.reads);
+        self.st().graphs.stats.dry_ns += t0.elapsed().as_nanos() as u64;
         let clean = dry.is_ok() && self.err.is_none() && reads.len() == 1 && launches > 0;
         if !clean || self.st().graphs.bad.contains(&sig) {
             return self.eager(&mut f);
@@ -238,12 +244,15 @@ impl<'a> Cuda<'a> {
             return self.eager(&mut f);
         };
         let read = reads[0];
+        let t1 = std::time::Instant::now();
         let g = &mut self.st().graphs;
         if let Some(c) = g.find(sig) {
             let r = c.graph.0.launch();
             g.stats.replayed += 1;
             r.map_err(|e| be_err(e.into()))?;
-            return Ok((out, Some(self.read_back(read)?)));
+            let logits = self.read_back(read)?;
+            self.st().graphs.stats.replay_ns += t1.elapsed().as_nanos() as u64;
+            return Ok((out, Some(logits)));
         }
         // capture the call (nothing runs), check that it launched the same, replay it
         self.reset_call();
@@ -272,6 +281,7 @@ impl<'a> Cuda<'a> {
         let r = graph.launch();
         let g = &mut self.st().graphs;
         g.stats.captured += 1;
+        g.stats.capture_ns += t1.elapsed().as_nanos() as u64;
         g.insert(Captured {
             sig,
             graph: GraphBox(graph),

@@ -235,6 +235,12 @@ pub struct GraphStats {
     pub replayed: u64,
     /// Captures that failed (those steps run op by op from then on).
     pub failed: u64,
+    /// Host time of calls that may use graphs, in nanoseconds: uploading inputs, the dry
+    /// runs, capturing, and launching and reading back replays.
+    pub prepare_ns: u64,
+    pub dry_ns: u64,
+    pub capture_ns: u64,
+    pub replay_ns: u64,
 }
 
 #[derive(Default)]

@@ -723,6 +723,20 @@ impl Model {
         }
     }
 
+    /// How the GPU's forward calls ran (graph replays, captures, op by op, host times)
+    /// when the model runs on one.
+    pub fn cuda_graph_stats(&self) -> Option<rustorch_cuda::GraphStats> {
+        match &self.placed {
+            Placed::Cpu(_) => None,
+            Placed::Cuda(c) => Some(
+                c.state
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .graph_stats(),
+            ),
+        }
+    }
+
     /// The GPU's name when the model runs on one.
     pub fn gpu_name(&self) -> Option<String> {
         match &self.placed {

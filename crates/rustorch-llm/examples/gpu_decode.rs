@@ -1,0 +1,54 @@
+//! Greedy decoding on the GPU with a breakdown of where the host's time goes (debugging
+//! aid): tokens per second, and per token the host time of uploading inputs, the graph
+//! dry run, captures and replays (launch + logits read), plus how many steps replayed.
+//! `cargo run --release -p rustorch-llm --example gpu_decode -- [MODEL] [N] [PROMPT_LEN]`
+use std::sync::Arc;
+use std::time::Instant;
+
+use rustorch_core::gguf::GgufFile;
+use rustorch_llm::{Batch, Model, Placement, Runtime};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let path = args
+        .get(1)
+        .cloned()
+        .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
+    let n: usize = args.get(2).map_or(Ok(256), |s| s.parse())?;
+    let np: usize = args.get(3).map_or(Ok(16), |s| s.parse())?;
+    let model = Model::load_on(Arc::new(GgufFile::open(&path)?), Placement::Cuda(0), np + n)?;
+    let rt = Runtime::new(1);
+    let nv = model.hparams().n_vocab;
+    let mut cache = model.new_cache(np + n);
+    let prompt: Vec<u32> = (0..np as u32).map(|i| 100 + 7 * i).collect();
+    let mut out = model.forward(&Batch::from_prompt(&prompt, 0, 0, false), &mut cache, &rt)?;
+    let argmax = |x: &[f32]| (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b });
+    let before = model.cuda_graph_stats().unwrap_or_default();
+    let t0 = Instant::now();
+    for s in 0..n {
+        let t = argmax(out.last(nv).ok_or("logits")?) as u32;
+        let mut b = Batch::new();
+        b.push(t, (np + s) as u32, 0, true);
+        out = model.forward(&b, &mut cache, &rt)?;
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    let st = model.cuda_graph_stats().unwrap_or_default();
+    let per = |a: u64, b: u64| (a - b) as f64 / 1e3 / n as f64;
+    println!(
+        "{n} tokens: {:.1} t/s ({:.1} µs/token); replayed {}, captured {}, eager {}, failed {}",
+        n as f64 / dt,
+        dt * 1e6 / n as f64,
+        st.replayed - before.replayed,
+        st.captured - before.captured,
+        st.eager - before.eager,
+        st.failed - before.failed
+    );
+    println!(
+        "host µs/token: prepare {:.1}, dry run {:.1}, capture {:.1}, replay (launch + read) {:.1}",
+        per(st.prepare_ns, before.prepare_ns),
+        per(st.dry_ns, before.dry_ns),
+        per(st.capture_ns, before.capture_ns),
+        per(st.replay_ns, before.replay_ns)
+    );
+    Ok(())
+}
