@@ -238,15 +238,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 
     let t0 = Instant::now();
-    let result = if args.dry_run {
-        report(&src, &jobs, None, plan.threads)
+    if args.dry_run {
+        report(&src, &jobs, None, plan.threads)?;
     } else {
-        write_model(&src, &jobs, &plan)
-    };
-    if result.is_err() && !args.dry_run {
-        let _ = std::fs::remove_file(&plan.output);
+        write_model(&src, &jobs, &plan)?;
     }
-    result?;
     if recipe.n_fallback > 0 {
         eprintln!(
             "quantize: WARNING: {} of {} tensor(s) required fallback quantization",
@@ -509,17 +505,24 @@ fn write_model(src: &GgufFile, jobs: &[Job], plan: &Plan) -> anyhow::Result<()> 
 
     let file = File::create(&plan.output)
         .with_context(|| format!("cannot create '{}'", plan.output.display()))?;
-    let mut w = BufWriter::with_capacity(8 << 20, file);
-    w.write_all(&header)?;
-    report(src, jobs, Some((&mut w, align)), plan.threads)?;
-    let mut file = w.into_inner().map_err(|e| e.into_error())?;
-    let end = file.stream_position()?;
-    let expected = header.len() as u64 + offset;
-    if end != expected {
-        bail!("wrote {end} bytes, expected {expected}");
+    let written = (|| -> anyhow::Result<()> {
+        let mut w = BufWriter::with_capacity(8 << 20, file);
+        w.write_all(&header)?;
+        report(src, jobs, Some((&mut w, align)), plan.threads)?;
+        let mut file = w.into_inner().map_err(|e| e.into_error())?;
+        let end = file.stream_position()?;
+        let expected = header.len() as u64 + offset;
+        if end != expected {
+            bail!("wrote {end} bytes, expected {expected}");
+        }
+        file.sync_all().ok();
+        Ok(())
+    })();
+    if written.is_err() {
+        // (a half-written model is worse than none)
+        let _ = std::fs::remove_file(&plan.output);
     }
-    file.sync_all().ok();
-    Ok(())
+    written.with_context(|| format!("writing '{}'", plan.output.display()))
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
