@@ -624,6 +624,7 @@ impl<'a> Backend for Cuda<'a> {
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
         self.flush_add();
+        self.flush_rope();
         self.check()?;
         let dev = self.dev;
         dev.matmul(w, x, out, &mut self.st().s).map_err(be_err)
@@ -636,6 +637,7 @@ impl<'a> Backend for Cuda<'a> {
         outs: &mut [&mut GpuVec<f32>],
     ) -> Result<(), BackendError> {
         self.flush_add();
+        self.flush_rope();
         self.check()?;
         let dev = self.dev;
         dev.matmul_many(ws, x, outs, &mut self.st().s)
@@ -652,6 +654,7 @@ impl<'a> Backend for Cuda<'a> {
         up: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
         self.flush_add();
+        self.flush_rope();
         self.check()?;
         let dev = self.dev;
         if self.hook.is_none() {
