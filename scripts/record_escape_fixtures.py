@@ -30,7 +30,7 @@ for vocab in VOCABS:
             out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
             ids = json.loads(out.strip().splitlines()[-1])
             cases.append({"vocab": vocab, "prompt": p, "escape": escape, "ids": ids})
-dst = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "escapes.json")
+dst = os.path.join(ROOT, "tests", "fixtures", "escapes", "escapes.json")
 with open(dst, "w") as f:
     json.dump({"llama_cpp": "llama-tokenize of llama-cpp-python 0.3.36's llama.cpp", "cases": cases}, f, indent=1)
 print(f"{len(cases)} cases -> {dst}")

@@ -1,6 +1,6 @@
 //! Prompt escapes as llama.cpp processes them (`-e/--escape`, on by default; `--no-escape`):
 //! `rustorch tokenize -p` gives llama-tokenize's ids for every recorded prompt
-//! (tests/fixtures/tokenizer/escapes.json, from scripts/record_escape_fixtures.py).
+//! (tests/fixtures/escapes/escapes.json, from scripts/record_escape_fixtures.py).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,7 +12,7 @@ fn root() -> PathBuf {
 #[test]
 fn escapes_tokenize_like_llama_tokenize() {
     let doc: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(root().join("tests/fixtures/tokenizer/escapes.json")).expect("fixture"),
+        &std::fs::read(root().join("tests/fixtures/escapes/escapes.json")).expect("fixture"),
     )
     .expect("json");
     let mut checked = 0;
