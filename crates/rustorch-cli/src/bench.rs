@@ -277,7 +277,7 @@ fn load_model(
     let model = Model::load_on(gguf.clone(), placement, n_ctx).context("loading the model")?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let hp = model.hparams();
-    let size: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+    let size = gguf.tensor_bytes();
     let n_params: u64 = gguf.tensors().iter().map(|t| t.n_elements()).sum();
     let info = ModelInfo {
         filename: path.display().to_string(),
@@ -292,8 +292,7 @@ fn load_model(
         load_ms,
         peak_rss: 0,
         file_size: gguf.file_size(),
-        // K and V, f16, per layer
-        kv_bytes_per_cell: (hp.n_layer * hp.kv_dim() * 2 * 2) as u64,
+        kv_bytes_per_cell: hp.kv_bytes_per_cell() as u64,
         backend: model.backend_name(),
         gpu_info: model.gpu_name().unwrap_or_default(),
         n_gpu_layers: if model.gpu_name().is_some() {

@@ -215,8 +215,8 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
         if model.backend_name() != "CPU" {
             let hp = model.hparams();
             let mib = |b: f64| b / (1024.0 * 1024.0);
-            let weights: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
-            let kv = (placement.1 * hp.n_layer * hp.kv_dim() * 4) as f64;
+            let weights = gguf.tensor_bytes();
+            let kv = (placement.1 * hp.kv_bytes_per_cell()) as f64;
             eprintln!(
                 "device: {}; weights {:.1} MiB, KV cache {:.1} MiB ({} cells, f16)",
                 model.device_description(),

@@ -15,7 +15,7 @@ use rustorch_llm::tokenizer::Tokenizer;
 use rustorch_llm::{Batch, KvCache, Model, Placement, Runtime};
 use serde_json::Value;
 
-use common::{argmax, logsumexp, root};
+use common::{argmax, ids, kl, root};
 
 const STEPS: usize = 64;
 const GREEDY: usize = 32;
@@ -48,17 +48,6 @@ fn step(model: &Model, tok: u32, pos: usize, cache: &mut KvCache, rt: &Runtime) 
         .last(nv)
         .expect("logits")
         .to_vec()
-}
-
-fn kl(p: &[f32], q: &[f32]) -> f64 {
-    let (lp, lq) = (logsumexp(p), logsumexp(q));
-    p.iter()
-        .zip(q)
-        .map(|(&a, &b)| {
-            let la = a as f64 - lp;
-            la.exp() * (la - (b as f64 - lq))
-        })
-        .sum()
 }
 
 fn compare(cpu: &Model, gpu: &Model, prompts: &[Vec<u32>]) -> Report {
@@ -135,13 +124,10 @@ fn fixture_prompts() -> Vec<(String, Vec<u32>)> {
     doc["cases"].as_array().expect("cases")[..8]
         .iter()
         .map(|c| {
-            let toks = c["tokens"]
-                .as_array()
-                .expect("tokens")
-                .iter()
-                .map(|t| t.as_u64().expect("id") as u32)
-                .collect();
-            (c["prompt"].as_str().unwrap_or("").to_string(), toks)
+            (
+                c["prompt"].as_str().unwrap_or("").to_string(),
+                ids(&c["tokens"]),
+            )
         })
         .collect()
 }

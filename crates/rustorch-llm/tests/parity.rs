@@ -9,7 +9,7 @@ use std::fs;
 use rustorch_llm::{Batch, Runtime};
 use serde_json::Value;
 
-use common::{argmax, batch_vs_sequential, load_model, logsumexp, root};
+use common::{argmax, batch_vs_sequential, kl, load_model, logsumexp, root};
 
 /// A step where llama.cpp's own top-2 logits are closer than this is a near-tie: a
 /// different choice there is within float noise.
@@ -377,15 +377,7 @@ fn gemma3_window_batch_equals_one_token_at_a_time() {
             one.last(nv).expect("logits"),
             batched.logits_for(i, nv).expect("row"),
         );
-        let (lp, lq) = (logsumexp(p), logsumexp(q));
-        let kl: f64 = p
-            .iter()
-            .zip(q)
-            .map(|(&a, &b)| {
-                let la = a as f64 - lp;
-                la.exp() * (la - (b as f64 - lq))
-            })
-            .sum();
+        let kl = kl(p, q);
         if kl > worst {
             (worst, at) = (kl, i);
         }

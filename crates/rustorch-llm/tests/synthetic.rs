@@ -17,7 +17,7 @@ use rustorch_llm::{Batch, Model, Runtime};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use common::{argmax, root};
+use common::{argmax, ids, root};
 
 struct Case {
     tokens: Vec<u32>,
@@ -65,22 +65,19 @@ fn model(arch: &str, doc: &Value) -> Option<Model> {
     Some(Model::load(Arc::new(gguf)).expect("load model"))
 }
 
+/// The recorded fixture of `arch`.
+fn fixture(arch: &str) -> Value {
+    let path = root().join(format!("tests/fixtures/synthetic/{arch}.json"));
+    serde_json::from_slice(&fs::read(path).expect("fixture")).expect("json")
+}
+
 fn run(arch: &str, threads: usize) {
     let dir = root().join("tests/fixtures/synthetic");
-    let doc: Value =
-        serde_json::from_slice(&fs::read(dir.join(format!("{arch}.json"))).expect("fixture"))
-            .expect("json");
+    let doc = fixture(arch);
     let Some(model) = model(arch, &doc) else {
         return;
     };
     let nv = model.hparams().n_vocab;
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .expect("array")
-            .iter()
-            .map(|t| t.as_u64().expect("id") as u32)
-            .collect()
-    };
     let cases: Vec<Case> = doc["cases"]
         .as_array()
         .expect("cases")
@@ -200,19 +197,11 @@ fn synthetic_one_thread() {
 /// so every later position drops earlier cells; an off-by-one window in the batch path
 /// fails this (tried).
 fn windowed_batch_vs_sequential(arch: &str, llama_delta: f32) {
-    let dir = root().join("tests/fixtures/synthetic");
-    let doc: Value =
-        serde_json::from_slice(&fs::read(dir.join(format!("{arch}.json"))).expect("fixture"))
-            .expect("json");
+    let doc = fixture(arch);
     let Some(model) = model(arch, &doc) else {
         return;
     };
-    let tokens: Vec<u32> = doc["cases"][2]["tokens"]
-        .as_array()
-        .expect("tokens")
-        .iter()
-        .map(|t| t.as_u64().expect("id") as u32)
-        .collect();
+    let tokens = ids(&doc["cases"][2]["tokens"]);
     assert!(tokens.len() > 2 * model.hparams().n_swa as usize);
     let d = common::batch_vs_sequential(&model, &tokens);
     eprintln!(

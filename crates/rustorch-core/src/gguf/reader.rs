@@ -289,6 +289,11 @@ impl GgufFile {
     pub fn metadata(&self) -> &[(String, Value)] {
         &self.metadata
     }
+    /// Bytes of all tensor data (the weights).
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors().iter().map(|t| t.n_bytes).sum()
+    }
+
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors
     }

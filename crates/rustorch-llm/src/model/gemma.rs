@@ -17,7 +17,7 @@
 //! logits = cap(rms_norm(x) * output_norm · Woutᵀ)   Gemma 2 soft-caps; Wout tied to the embedding
 //! ```
 
-use rustorch_core::backend::{AttnSpec, Backend, Device, Glu};
+use rustorch_core::backend::{Backend, Device, Glu};
 
 use super::ops::{self, Step};
 use super::{Arch, ForwardOutput, HParams, Loader, ModelError};
@@ -131,23 +131,13 @@ impl<D: Device> Gemma<D> {
             be.hook("Vcur", il, &w.v);
             // per-head Q/K norm (Gemma 3), rotation by each token's position, queries
             // scaled before the f16 product (attention scale 1)
-            let spec = AttnSpec {
-                layer: il,
-                n_head: hp.n_head,
-                n_head_kv: hp.n_head_kv,
-                head_dim: hp.head_dim,
-                scale: 1.0,
-                softcap: hp.attn_softcap,
-                window: local.then_some(hp.n_swa),
-            };
             ops::attention(
                 be,
                 &mut io,
                 w,
                 ops::Attention {
-                    spec,
+                    spec: hp.attn_spec(il, 1.0),
                     rope: if local { &hp.rope_swa } else { &hp.rope },
-                    local,
                     qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
                     q_scale: Some(self.attn_scale),
                     wo: &l.wo,

@@ -18,7 +18,7 @@
 //! logits = rms_norm(x) * output_norm · Woutᵀ            Wout may be tied to the embedding
 //! ```
 
-use rustorch_core::backend::{AttnSpec, Backend, Device, Glu, Moe};
+use rustorch_core::backend::{Backend, Device, Glu, Moe};
 
 use super::ops::{self, Step};
 use super::{Arch, ForwardOutput, HParams, Loader, ModelError};
@@ -136,15 +136,6 @@ impl<D: Device> Llama<D> {
             self.rope_freqs.as_ref(),
             &mut w.angles,
         );
-        let spec = |il| AttnSpec {
-            layer: il,
-            n_head: hp.n_head,
-            n_head_kv: hp.n_head_kv,
-            head_dim: hp.head_dim,
-            scale: 1.0 / (hp.head_dim as f32).sqrt(),
-            softcap: 0.0,
-            window: None,
-        };
 
         // x = embed(tokens)
         be.embed(&self.tok_embd, io.tokens, &mut w.x)?;
@@ -170,9 +161,8 @@ impl<D: Device> Llama<D> {
                 &mut io,
                 w,
                 ops::Attention {
-                    spec: spec(il),
+                    spec: hp.attn_spec(il, 1.0 / (hp.head_dim as f32).sqrt()),
                     rope: &hp.rope,
-                    local: false,
                     qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
                     q_scale: None,
                     wo: &l.wo,

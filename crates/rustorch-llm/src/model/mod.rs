@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 pub use rustorch_core::backend::cpu::TensorHook;
 use rustorch_core::backend::cpu::{Cpu, CpuAngles, CpuDevice};
-use rustorch_core::backend::{BackendError, Device, Rows, WeightRef};
+use rustorch_core::backend::{AttnSpec, BackendError, Device, Rows, WeightRef};
 use rustorch_core::gguf::{GgufError, GgufFile, TensorInfo};
 use rustorch_core::kernels::ops::{Rope, RopeMode};
 use rustorch_core::kernels::ThreadPool;
@@ -97,6 +97,25 @@ pub struct HParams {
 impl HParams {
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
+    }
+
+    /// Bytes one cache cell takes: K and V of every layer, f16.
+    pub fn kv_bytes_per_cell(&self) -> usize {
+        self.n_layer * self.kv_dim() * 2 * 2
+    }
+
+    /// Layer `il`'s attention: scores times `scale`, this architecture's soft-cap, and its
+    /// sliding window when the layer slides.
+    pub(crate) fn attn_spec(&self, il: usize, scale: f32) -> AttnSpec {
+        AttnSpec {
+            layer: il,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            scale,
+            softcap: self.attn_softcap,
+            window: self.swa_layers[il].then_some(self.n_swa),
+        }
     }
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
@@ -608,6 +627,27 @@ struct On<D: Device, Buf, Ang> {
     ws: Mutex<Workspace<Buf, Ang>>,
 }
 
+impl<D: Device, Buf: Default, Ang: Default> On<D, Buf, Ang> {
+    /// The architecture's weights placed on `dev`.
+    fn load(gguf: &GgufFile, hp: &HParams, dev: D) -> Result<Self, ModelError> {
+        let graph = Graph::load(&Loader { gguf, dev: &dev }, hp)?;
+        Ok(On {
+            dev,
+            graph,
+            ws: Mutex::new(Workspace::default()),
+        })
+    }
+
+    /// Runs `f` with the activation buffers kept between calls (a concurrent call gets
+    /// fresh ones).
+    fn with_workspace<R>(&self, f: impl FnOnce(&mut Workspace<Buf, Ang>) -> R) -> R {
+        match self.ws.try_lock() {
+            Ok(mut g) => f(&mut g),
+            Err(_) => f(&mut Workspace::default()),
+        }
+    }
+}
+
 /// A loaded model: hyper-parameters plus weights borrowed from the memory-mapped GGUF.
 pub struct Model {
     gguf: Arc<GgufFile>,
@@ -637,26 +677,12 @@ impl Model {
         }
         .optional_vector("rope_freqs.weight", hp.rope.n_rot / 2)?;
         let placed = match placement {
-            Placement::Cpu => {
-                let dev = CpuDevice::default();
-                let graph = Graph::load(
-                    &Loader {
-                        gguf: &gguf,
-                        dev: &dev,
-                    },
-                    &hp,
-                )?;
-                Placed::Cpu(Box::new(On {
-                    dev,
-                    graph,
-                    ws: Mutex::new(Workspace::default()),
-                }))
-            }
+            Placement::Cpu => Placed::Cpu(Box::new(On::load(&gguf, &hp, CpuDevice::default())?)),
             Placement::Cuda(index) => {
                 let dev = CudaDevice::open(index)?;
                 let (free, total) = dev.mem_info()?;
-                let weights: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
-                let kv = (n_ctx * hp.n_layer * hp.kv_dim() * 2 * 2) as f64;
+                let weights = gguf.tensor_bytes();
+                let kv = (n_ctx * hp.kv_bytes_per_cell()) as f64;
                 let mib = |b: f64| b / (1024.0 * 1024.0);
                 // leave room for activations and the kernels' scratch
                 if weights as f64 + kv + 256.0 * 1024.0 * 1024.0 > free as f64 {
@@ -668,19 +694,8 @@ impl Model {
                         total_mib: mib(total as f64),
                     });
                 }
-                let graph = Graph::load(
-                    &Loader {
-                        gguf: &gguf,
-                        dev: &dev,
-                    },
-                    &hp,
-                )?;
                 Placed::Cuda(Box::new(CudaOn {
-                    on: On {
-                        dev,
-                        graph,
-                        ws: Mutex::new(Workspace::default()),
-                    },
+                    on: On::load(&gguf, &hp, dev)?,
                     state: Mutex::new(CudaState::default()),
                 }))
             }
@@ -850,9 +865,8 @@ impl Model {
         };
         match &self.placed {
             Placed::Cpu(c) => {
-                let (dev, graph, ws) = (&c.dev, &c.graph, &c.ws);
                 let mut be = Cpu::new(
-                    dev,
+                    &c.dev,
                     self.gguf.bytes(),
                     &rt.pool,
                     rt.reference,
@@ -861,27 +875,13 @@ impl Model {
                 if let Some(native) = rt.native_f16 {
                     be = be.with_native_f16(native);
                 }
-                // Buffers are reused from call to call (a concurrent call gets fresh ones).
-                let mut own = None;
-                let mut guard = ws.try_lock();
-                let w = match guard {
-                    Ok(ref mut g) => &mut **g,
-                    Err(_) => own.insert(Workspace::default()),
-                };
-                graph.forward(Step { be: &mut be, w, io })
+                c.with_workspace(|w| c.graph.forward(Step { be: &mut be, w, io }))
             }
             Placed::Cuda(c) => {
-                let (dev, graph, ws) = (&c.dev, &c.graph, &c.ws);
                 // one call at a time on the GPU (its stream may be capturing a graph)
                 let mut state = c.state.lock().unwrap_or_else(|p| p.into_inner());
-                let mut be = Cuda::with_state(dev, &mut state, rt.tensor_hook.as_ref());
+                let mut be = Cuda::with_state(&c.dev, &mut state, rt.tensor_hook.as_ref());
                 be.prepare(io.tokens, io.rows, io.cells, &io.out_rows, io.cache)?;
-                let mut own = None;
-                let mut guard = ws.try_lock();
-                let w = match guard {
-                    Ok(ref mut g) => &mut **g,
-                    Err(_) => own.insert(Workspace::default()),
-                };
                 // decode steps may be replayed as CUDA graphs (the call may run twice)
                 let graphable = n <= 8 && !rt.dump_layers && rt.tensor_hook.is_none();
                 let Io {
@@ -895,20 +895,22 @@ impl Model {
                     dump_layers,
                     ..
                 } = io;
-                let (mut out, logits) = be.run(graphable, |be| {
-                    let io = Io {
-                        hp,
-                        tokens,
-                        rope_pos,
-                        rows,
-                        cache: &mut *cache,
-                        cells,
-                        out_rows: out_rows.clone(),
-                        kept: false,
-                        dump_layers,
-                        stats: Vec::new(),
-                    };
-                    graph.forward(Step { be, w: &mut *w, io })
+                let (mut out, logits) = c.with_workspace(|w| {
+                    be.run(graphable, |be| {
+                        let io = Io {
+                            hp,
+                            tokens,
+                            rope_pos,
+                            rows,
+                            cache: &mut *cache,
+                            cells,
+                            out_rows: out_rows.clone(),
+                            kept: false,
+                            dump_layers,
+                            stats: Vec::new(),
+                        };
+                        c.graph.forward(Step { be, w: &mut *w, io })
+                    })
                 })?;
                 if let Some(l) = logits {
                     out.logits = l;

@@ -124,9 +124,8 @@ impl Io<'_> {
 /// One layer's attention after the Q/K/V projections (in `w.q`, `w.k`, `w.v`).
 pub(crate) struct Attention<'a, D: Device> {
     pub spec: AttnSpec,
+    /// The layer's RoPE; sliding-window layers (`spec.window`) rotate with `w.angles_swa`.
     pub rope: &'a Rope,
-    /// Rotate with the sliding-window layers' angles (`w.angles_swa`).
-    pub local: bool,
     /// Per-head RMSNorm of queries and keys before RoPE (qwen3, gemma3).
     pub qk_norm: Option<(&'a D::Vector, &'a D::Vector)>,
     /// Multiply the queries by this after RoPE, before attention (gemma, phi3).
@@ -150,7 +149,11 @@ pub(crate) fn attention<B: Backend>(
         be.hook("Kcur_normed", il, &w.k);
     }
     // rotate q and k by each token's own position
-    let angles = if a.local { &w.angles_swa } else { &w.angles };
+    let angles = if a.spec.window.is_some() {
+        &w.angles_swa
+    } else {
+        &w.angles
+    };
     be.rope(&mut w.q, a.rope, hd, angles);
     be.rope(&mut w.k, a.rope, hd, angles);
     be.hook("Qcur_rope", il, &w.q);

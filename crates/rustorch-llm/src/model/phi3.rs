@@ -16,7 +16,7 @@
 //! logits = rms_norm(x) * output_norm · Woutᵀ
 //! ```
 
-use rustorch_core::backend::{AttnSpec, Backend, Device, Glu};
+use rustorch_core::backend::{Backend, Device, Glu};
 
 use super::ops::{self, Step};
 use super::{ForwardOutput, HParams, Loader, ModelError};
@@ -90,15 +90,6 @@ impl<D: Device> Phi3<D> {
             self.rope_factors.as_ref(),
             &mut w.angles,
         );
-        let spec = |il| AttnSpec {
-            layer: il,
-            n_head: hp.n_head,
-            n_head_kv: hp.n_head_kv,
-            head_dim: hp.head_dim,
-            scale: 1.0,
-            softcap: 0.0,
-            window: None,
-        };
 
         be.embed(&self.tok_embd, io.tokens, &mut w.x)?;
         be.hook("embd", 0, &w.x);
@@ -116,9 +107,8 @@ impl<D: Device> Phi3<D> {
                 &mut io,
                 w,
                 ops::Attention {
-                    spec: spec(il),
+                    spec: hp.attn_spec(il, 1.0),
                     rope: &hp.rope,
-                    local: false,
                     qk_norm: None,
                     q_scale: Some(1.0 / (hp.head_dim as f32).sqrt()),
                     wo: &l.wo,

@@ -83,3 +83,24 @@ pub fn batch_vs_sequential(model: &Model, tokens: &[u32]) -> f32 {
     }
     worst
 }
+
+/// KL(p ‖ q) of the softmax distributions of two logit rows, in f64.
+pub fn kl(p: &[f32], q: &[f32]) -> f64 {
+    let (lp, lq) = (logsumexp(p), logsumexp(q));
+    p.iter()
+        .zip(q)
+        .map(|(&a, &b)| {
+            let la = a as f64 - lp;
+            la.exp() * (la - (b as f64 - lq))
+        })
+        .sum()
+}
+
+/// A JSON array of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|t| t.as_u64().expect("id") as u32)
+        .collect()
+}
