@@ -128,14 +128,23 @@ pub enum FinishReason {
     Length,
     /// The scheduler was shut down ([`Scheduler::cancel_all`]).
     Cancelled,
+    /// The server stopped the request before its end ([`Scheduler::finish_all`]): the
+    /// output so far is a complete answer, cut short. Reported as `length`.
+    Interrupted,
 }
 
 impl FinishReason {
     /// The OpenAI name (`stop`, `length`; `cancelled` has none there).
+    ///
+    /// [`Interrupted`](Self::Interrupted) is `length`: OpenAI's `finish_reason` has no
+    /// value for "the server stopped it", and `length` is the one whose meaning clients
+    /// already act on correctly (the text is truncated, not a finished answer; ask again
+    /// or continue it). vLLM reports such requests as `abort`, a value outside OpenAI's
+    /// set that typed clients may reject.
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
+            FinishReason::Length | FinishReason::Interrupted => "length",
             FinishReason::Cancelled => "cancelled",
         }
     }
@@ -287,8 +296,8 @@ struct Queue {
     waiting: VecDeque<Pending>,
     /// No new requests are accepted.
     closed: bool,
-    /// Cancel everything (queued and active) at the next step.
-    cancel: bool,
+    /// End everything (queued and active) at the next step, for this reason.
+    cancel: Option<FinishReason>,
     /// The engine thread should return.
     exit: bool,
 }
@@ -410,7 +419,7 @@ impl Scheduler {
         self.shared
             .counters
             .requests_total
-            .fetch_add(1, Ordering::Relaxed);
+            .fetch_add(1, Ordering::SeqCst);
         drop(q);
         self.shared.wake.notify_all();
         tracing::debug!(id, "request queued");
@@ -438,10 +447,19 @@ impl Scheduler {
         }
     }
 
+    /// Requests accepted and not ended yet (queued, running, or on their way from the
+    /// queue to a slot).
+    pub fn in_flight(&self) -> u64 {
+        let c = &self.shared.counters;
+        // finished first: every request counted there was counted in total before
+        let finished = c.requests_finished.load(Ordering::SeqCst);
+        let total = c.requests_total.load(Ordering::SeqCst);
+        total.saturating_sub(finished)
+    }
+
     /// Whether no request is waiting or running.
     pub fn is_idle(&self) -> bool {
-        let s = self.stats();
-        s.slots_busy == 0 && s.queue_depth == 0
+        self.in_flight() == 0
     }
 
     /// Refuses new requests ([`SubmitError::ShuttingDown`]); queued and running ones
@@ -459,10 +477,25 @@ impl Scheduler {
     /// Refuses new requests and ends every queued and running one with
     /// [`FinishReason::Cancelled`] at the next step.
     pub fn cancel_all(&self) {
+        self.end_all(FinishReason::Cancelled);
+    }
+
+    /// Refuses new requests and ends every queued and running one at the next step
+    /// (after the forward pass under way, if any) as if it had reached its token limit:
+    /// [`FinishReason::Interrupted`], with the text generated so far (held-back text
+    /// included) sent first. A request that never got a slot ends with no tokens.
+    pub fn finish_all(&self) {
+        self.end_all(FinishReason::Interrupted);
+    }
+
+    fn end_all(&self, reason: FinishReason) {
         self.shared.accepting.store(false, Ordering::Relaxed);
         let mut q = self.shared.lock();
         q.closed = true;
-        q.cancel = true;
+        // a cancellation is not softened into an interruption
+        if q.cancel != Some(FinishReason::Cancelled) {
+            q.cancel = Some(reason);
+        }
         drop(q);
         self.shared.wake.notify_all();
     }
@@ -473,7 +506,7 @@ impl Drop for Scheduler {
         {
             let mut q = self.shared.lock();
             q.closed = true;
-            q.cancel = true;
+            q.cancel = Some(FinishReason::Cancelled);
             q.exit = true;
         }
         self.shared.wake.notify_all();
@@ -564,12 +597,12 @@ impl Engine {
                 Some(w) => w,
                 None => return,
             };
-            if cancel {
+            if let Some(reason) = cancel {
                 for p in incoming {
-                    self.finish_pending(p);
+                    self.finish_pending(p, reason);
                 }
                 for i in 0..self.slots.len() {
-                    self.finish(i, FinishReason::Cancelled, false);
+                    self.finish(i, reason, false);
                 }
                 if exit {
                     return;
@@ -595,16 +628,15 @@ impl Engine {
     }
 
     /// Blocks until there is something to do. Returns the requests to admit now (as
-    /// many as there are free slots), whether to cancel everything, and whether to exit
+    /// many as there are free slots), why to end everything (if so), and whether to exit
     /// afterwards; `None` to exit at once.
-    fn wait_for_work(&mut self) -> Option<(Vec<Pending>, bool, bool)> {
+    fn wait_for_work(&mut self) -> Option<(Vec<Pending>, Option<FinishReason>, bool)> {
         let shared = self.shared.clone();
         let mut q = shared.lock();
         loop {
-            if q.cancel {
+            if let Some(reason) = q.cancel.take() {
                 let all: Vec<Pending> = q.waiting.drain(..).collect();
-                q.cancel = false;
-                return Some((all, true, q.exit));
+                return Some((all, Some(reason), q.exit));
             }
             if q.exit {
                 return None;
@@ -617,13 +649,13 @@ impl Engine {
                 self.shared
                     .counters
                     .requests_finished
-                    .fetch_add(dropped as u64, Ordering::Relaxed);
+                    .fetch_add(dropped as u64, Ordering::SeqCst);
             }
             let free = self.slots.len() - self.busy();
             let n = free.min(q.waiting.len());
             let admit: Vec<Pending> = q.waiting.drain(..n).collect();
             if !admit.is_empty() || self.busy() > 0 {
-                return Some((admit, false, false));
+                return Some((admit, None, false));
             }
             q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
         }
@@ -632,7 +664,7 @@ impl Engine {
     fn admit(&mut self, mut p: Pending) {
         let Some(i) = self.slots.iter().position(Option::is_none) else {
             // cannot happen: wait_for_work admits only as many as there are free slots
-            self.finish_pending(p);
+            self.finish_pending(p, FinishReason::Cancelled);
             return;
         };
         let seq = i as SeqId;
@@ -672,9 +704,9 @@ impl Engine {
     }
 
     /// Ends a request that never got a slot.
-    fn finish_pending(&mut self, mut p: Pending) {
+    fn finish_pending(&mut self, mut p: Pending, reason: FinishReason) {
         p.sink.send(Event::Done(Completion {
-            finish: FinishReason::Cancelled,
+            finish: reason,
             prompt_tokens: 0,
             completion_tokens: 0,
             queue_time: p.enqueued.elapsed(),
@@ -684,7 +716,7 @@ impl Engine {
         self.shared
             .counters
             .requests_finished
-            .fetch_add(1, Ordering::Relaxed);
+            .fetch_add(1, Ordering::SeqCst);
     }
 
     /// Frees slot `i` and its cache cells.
@@ -693,7 +725,7 @@ impl Engine {
         self.cache.seq_rm(slot.seq, None, None);
         let c = &self.shared.counters;
         c.slots_busy.store(self.busy(), Ordering::Relaxed);
-        c.requests_finished.fetch_add(1, Ordering::Relaxed);
+        c.requests_finished.fetch_add(1, Ordering::SeqCst);
         Some(slot)
     }
 
@@ -1279,6 +1311,48 @@ mod tests {
         sched.cancel_all();
         assert_eq!(
             sched.submit(request(&tok, "hi", 1), sink()),
+            Err(SubmitError::ShuttingDown)
+        );
+    }
+    /// `finish_all` ends a running request with the text it has, as `Interrupted`
+    /// (`length`), and a queued one with none; nothing is in flight afterwards and new
+    /// requests are refused.
+    #[test]
+    fn finish_all_ends_running_and_queued_requests() {
+        let Some((model, tok)) = load() else { return };
+        let config = SchedulerConfig::new(1024, 1);
+        let sched = Scheduler::start(model, tok.clone(), Runtime::new(1), config).expect("start");
+        let mut long = request(&tok, "Tell me a long story.", 1000);
+        long.sampling.ignore_eos = true;
+        let (tx, running) = mpsc::channel();
+        sched.submit(long.clone(), Box::new(tx)).expect("submit");
+        let (tx, queued) = mpsc::channel();
+        sched.submit(long, Box::new(tx)).expect("submit");
+        assert_eq!(sched.in_flight(), 2);
+        let mut text = String::new();
+        let mut n_tokens = 0;
+        while n_tokens < 3 {
+            match running.recv().expect("event") {
+                Event::Token { token, text: t, .. } => {
+                    text.push_str(&t);
+                    n_tokens += usize::from(token.is_some());
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        sched.finish_all();
+        let (rest, done) = wait(running);
+        text.push_str(&rest);
+        assert_eq!(done.finish, FinishReason::Interrupted);
+        assert_eq!(done.finish.as_str(), "length");
+        assert!(done.completion_tokens >= 3 && done.completion_tokens < 1000);
+        assert!(!text.is_empty());
+        let (text, done) = wait(queued);
+        assert_eq!((text.as_str(), done.completion_tokens), ("", 0));
+        assert_eq!(done.finish, FinishReason::Interrupted);
+        assert!(sched.is_idle());
+        assert_eq!(
+            sched.submit(request(&tok, "hi", 1), Box::new(|_: Event| true)),
             Err(SubmitError::ShuttingDown)
         );
     }

@@ -469,7 +469,8 @@ impl Run {
                     }
                     self.pending.push_back(Step::End {
                         stop_reason: match c.finish {
-                            FinishReason::Length => "max_tokens",
+                            // a request ended by the server's shutdown is cut short too
+                            FinishReason::Length | FinishReason::Interrupted => "max_tokens",
                             _ => "end_turn",
                         },
                         stop_sequence: None,

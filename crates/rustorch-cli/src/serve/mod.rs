@@ -9,17 +9,48 @@
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and Anthropic's
 //! `POST /v1/messages` and `POST /v1/messages/count_tokens` ([`anthropic`]).
+//!
+//! # Shutdown
+//!
+//! SIGTERM or Ctrl-C starts a drain that loses no request:
+//!
+//! 1. The server stops taking work but keeps listening, so that every client gets an
+//!    answer rather than a refused or reset connection: new generation requests get
+//!    HTTP 503 (`shutting_down` in OpenAI's error shape, `overloaded_error` in
+//!    Anthropic's), `/health` answers 503 `{"status":"draining"}` (a load balancer or
+//!    Kubernetes stops sending traffic), and every response carries
+//!    `Connection: close`.
+//! 2. Requests already accepted, running or queued, go on to their end for up to
+//!    `--shutdown-timeout` seconds (30 by default: the grace period Kubernetes gives a
+//!    pod).
+//! 3. Past that (or at a second signal) the scheduler ends every request still there
+//!    with the text generated so far, as [`FinishReason::Interrupted`]: `finish_reason`
+//!    `"length"` (Anthropic: `stop_reason` `"max_tokens"`), the value OpenAI's clients
+//!    already read as "cut short". A stream gets its last chunk with that reason (and
+//!    usage, when asked for) then `data: [DONE]`, or `message_delta` + `message_stop`;
+//!    a non-streamed request gets its whole JSON with the partial text. vLLM reports
+//!    such requests as `"abort"`, a value outside OpenAI's set; llama-server does not
+//!    drain at all (its streams are cut).
+//! 4. Once nothing runs the listener closes, the last responses are written (open
+//!    connections get [`FLUSH_GRACE`] more) and the process exits with code 0.
+//!
+//! [`FinishReason::Interrupted`]: rustorch_llm::scheduler::FinishReason::Interrupted
 
 mod anthropic;
 mod api;
 mod routes;
 
+use std::future::IntoFuture;
 use std::path::PathBuf;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::DefaultBodyLimit;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue};
+use axum::middleware::Next;
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use rustorch_llm::chat::ChatTemplate;
@@ -32,8 +63,9 @@ use crate::common;
 /// Environment variable read for the API key when `--api-key` is not given.
 pub const API_KEY_ENV: &str = "RUSTORCH_API_KEY";
 
-/// How long running requests may go on after SIGTERM / Ctrl-C before they are cancelled.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// How long connections may stay open once the drain is over (every request has ended
+/// and its last bytes are on their way); a client that does not read them is then cut.
+const FLUSH_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -67,6 +99,17 @@ pub struct Args {
     /// /health (default: $RUSTORCH_API_KEY)
     #[arg(long = "api-key")]
     pub api_key: Option<String>,
+    /// After SIGTERM / Ctrl-C, how long running and queued requests may go on. Meanwhile
+    /// new generation requests and /health get HTTP 503. Past it (or at a second signal)
+    /// every request still there ends with the text it has and finish_reason "length"
+    /// (Anthropic: "max_tokens"): streams get their last chunk and [DONE], never a cut
+    /// connection. Then the server exits with code 0
+    #[arg(
+        long = "shutdown-timeout",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub shutdown_timeout: u64,
     /// Threads (default: physical cores)
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
@@ -95,6 +138,15 @@ pub struct AppState {
     api_key: Option<String>,
     /// Set once the model is loaded.
     ready: OnceLock<Arc<Ready>>,
+    /// Set at SIGTERM / Ctrl-C: the server is draining (see the module documentation).
+    draining: AtomicBool,
+}
+
+impl AppState {
+    /// Whether the server is shutting down.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
 }
 
 /// The loaded model and its scheduler.
@@ -129,7 +181,26 @@ fn router(state: Arc<AppState>) -> Router {
             routes::auth,
         ))
         .layer(axum::middleware::from_fn(routes::error_shape))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            close_while_draining,
+        ))
         .with_state(state)
+}
+
+/// While draining, every response closes its connection, so that clients open their
+/// next one elsewhere rather than reuse this one.
+async fn close_while_draining(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let mut res = next.run(req).await;
+    if state.is_draining() {
+        res.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    res
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -151,6 +222,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_or(0, |d| d.as_secs()),
         api_key,
         ready: OnceLock::new(),
+        draining: AtomicBool::new(false),
     });
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -200,7 +272,14 @@ async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Resul
             .name("rustorch-load".into())
             .spawn(move || {
                 let r = load(&path, &args).map(|ready| {
-                    let _ = state.ready.set(Arc::new(ready));
+                    let ready = Arc::new(ready);
+                    let _ = state.ready.set(ready.clone());
+                    // a drain that began while loading did not see the scheduler
+                    // (the fence pairs with the one in `drain`)
+                    fence(Ordering::SeqCst);
+                    if state.is_draining() {
+                        ready.sched.stop_accepting();
+                    }
                 });
                 let _ = load_tx.send(r);
             })
@@ -233,37 +312,36 @@ async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Resul
     }
 
     let load_error: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Default::default();
+    // sent (or dropped) when the listener is to close
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let shutdown = {
         let state = state.clone();
         let load_error = load_error.clone();
+        let timeout = Duration::from_secs(args.shutdown_timeout);
+        let mut signals = signals;
         async move {
             tokio::select! {
-                _ = signals.recv() => {
-                    eprintln!("rustorch: shutting down");
-                }
+                _ = signals.recv() => {}
                 Ok(e) = fail_rx => {
                     *load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     return;
                 }
             }
-            if let Some(r) = state.ready.get() {
-                r.sched.stop_accepting();
-                let r = r.clone();
-                // let running requests finish for a while, then cancel them
-                tokio::spawn(async move {
-                    let t0 = tokio::time::Instant::now();
-                    while !r.sched.is_idle() && t0.elapsed() < SHUTDOWN_GRACE {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                    r.sched.cancel_all();
-                });
-            }
+            drain(&state, &mut signals, timeout).await;
+            let _ = drained_tx.send(());
         }
     };
-    axum::serve(listener, router(state.clone()))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving HTTP")?;
+    let server = axum::serve(listener, router(state.clone())).with_graceful_shutdown(shutdown);
+    // once drained, the last responses are written; a client that does not read its
+    // own does not hold the process
+    let flushed = async {
+        let _ = drained_rx.await;
+        tokio::time::sleep(FLUSH_GRACE).await;
+    };
+    tokio::select! {
+        r = server.into_future() => r.context("serving HTTP")?,
+        _ = flushed => eprintln!("rustorch: closing connections still open after the drain"),
+    }
     if let Some(e) = load_error.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(e);
     }
@@ -271,6 +349,63 @@ async fn serve(args: Args, path: PathBuf, state: Arc<AppState>) -> anyhow::Resul
         r.sched.cancel_all();
     }
     Ok(())
+}
+
+/// Stops taking work and lets what was accepted finish, for up to `timeout` or until a
+/// second signal, then ends the rest (see the module documentation). Returns once no
+/// request is left (or at a third signal).
+async fn drain(state: &AppState, signals: &mut Signals, timeout: Duration) {
+    state.draining.store(true, Ordering::SeqCst);
+    // pairs with the loader's fence: either it sees `draining` or this sees the model
+    fence(Ordering::SeqCst);
+    let Some(r) = state.ready.get() else {
+        eprintln!("rustorch: shutting down (the model was still loading)");
+        return;
+    };
+    r.sched.stop_accepting();
+    let n = r.sched.in_flight();
+    if n == 0 {
+        eprintln!("rustorch: shutting down");
+        return;
+    }
+    eprintln!(
+        "rustorch: shutting down: finishing {n} request(s) (up to {} s; a second \
+         Ctrl-C / SIGTERM ends them now)",
+        timeout.as_secs()
+    );
+    let idle = wait_idle(r);
+    tokio::pin!(idle);
+    tokio::select! {
+        _ = &mut idle => {
+            eprintln!("rustorch: every request finished");
+            return;
+        }
+        _ = tokio::time::sleep(timeout) => {
+            eprintln!(
+                "rustorch: shutdown timeout: ending {} request(s) with what they have",
+                r.sched.in_flight()
+            );
+        }
+        _ = signals.recv() => {
+            eprintln!(
+                "rustorch: second signal: ending {} request(s) with what they have",
+                r.sched.in_flight()
+            );
+        }
+    }
+    r.sched.finish_all();
+    // at most one forward pass away
+    tokio::select! {
+        _ = idle => {}
+        _ = signals.recv() => eprintln!("rustorch: third signal: not waiting any more"),
+    }
+}
+
+/// Resolves once the scheduler has no request left.
+async fn wait_idle(r: &Ready) {
+    while !r.sched.is_idle() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 struct LoadArgs {
@@ -345,8 +480,8 @@ impl Signals {
         Ok(Signals {})
     }
 
-    /// Waits for the first of them.
-    async fn recv(mut self) {
+    /// Waits for the next of them.
+    async fn recv(&mut self) {
         #[cfg(unix)]
         tokio::select! {
             _ = self.int.recv() => {}
@@ -354,7 +489,7 @@ impl Signals {
         }
         #[cfg(not(unix))]
         {
-            let _ = &mut self;
+            let _ = &self;
             let _ = tokio::signal::ctrl_c().await;
         }
     }

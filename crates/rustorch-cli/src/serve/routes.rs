@@ -143,7 +143,15 @@ pub async fn not_found(method: Method, uri: Uri) -> Response {
     .into_response()
 }
 
+/// 200 `{"status":"ok"}`; 503 `{"status":"loading"}` while the model loads and
+/// `{"status":"draining"}` once the server is shutting down.
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.is_draining() {
+        return json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "draining"}),
+        );
+    }
     match state.ready.get() {
         Some(_) => json_response(StatusCode::OK, &json!({"status": "ok"})),
         None => json_response(
