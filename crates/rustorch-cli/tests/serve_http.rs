@@ -1,6 +1,7 @@
 //! `rustorch serve` over raw HTTP (std `TcpStream`, no client library): health and
 //! loading, OpenAI error shapes for every bad input, authentication, the queue limit,
-//! a client disconnecting mid-stream, greedy output alone vs batched, and SIGTERM.
+//! a client disconnecting mid-stream, greedy output alone vs batched, and SIGTERM (the
+//! drain: 503s, then every request ended with a finish reason).
 //!
 //! Each test starts the binary on a free loopback port (`--port 0`; the address is read
 //! from its stderr) with SmolLM2. Without the model (`scripts/fetch-models.sh`) the tests
@@ -844,35 +845,147 @@ fn greedy_output_is_the_same_alone_and_batched() {
 }
 
 #[cfg(unix)]
-#[test]
-fn sigterm_stops_gracefully_with_exit_0() {
-    let Some(mut s) = Server::start(&["-np", "2", "-c", "4096"]) else {
-        return;
-    };
-    let mut conn = open_stream(&s.addr, &endless("Write a very long story."), 3);
+fn sigterm(s: &Server) {
     let pid = s.child.id().to_string();
     let ok = Command::new("kill")
         .args(["-TERM", &pid])
         .status()
         .expect("kill");
     assert!(ok.success());
-    // the stream ends (cancelled after the grace period) and the process exits 0
-    let mut rest = Vec::new();
-    let _ = conn.read_to_end(&mut rest);
+}
+
+#[cfg(unix)]
+fn wait_exit(s: &mut Server, within: Duration) -> std::process::ExitStatus {
     let t0 = Instant::now();
-    let status = loop {
+    loop {
         if let Some(st) = s.child.try_wait().expect("wait") {
-            break st;
+            return st;
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "server did not exit"
-        );
+        assert!(t0.elapsed() < within, "server did not exit");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Reads the rest of a response whose beginning was read already and checks that the
+/// chunked body ended properly (its last, empty chunk), not with a cut connection.
+fn read_rest(mut conn: TcpStream) -> String {
+    let mut rest = Vec::new();
+    conn.read_to_end(&mut rest)
+        .expect("read the rest of the response");
+    let rest = String::from_utf8_lossy(&rest).into_owned();
+    assert!(rest.ends_with("0\r\n\r\n"), "not a complete body: {rest:?}");
+    rest
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_stops_gracefully_with_exit_0() {
+    let Some(mut s) = Server::start(&["-np", "2", "-c", "4096", "--shutdown-timeout", "1"]) else {
+        return;
     };
+    let conn = open_stream(&s.addr, &endless("Write a very long story."), 3);
+    sigterm(&s);
+    // after the timeout the stream ends with its last chunk and [DONE], and the process
+    // exits 0
+    let rest = read_rest(conn);
+    assert!(rest.contains(r#""finish_reason":"length""#), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let status = wait_exit(&mut s, Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
     // nothing listens any more
     assert!(TcpStream::connect(&s.addr).is_err());
+}
+
+/// During the drain `/health` and new generation requests get 503 in each API's shape;
+/// a second SIGTERM ends at once, cleanly, a running stream, a running non-streamed
+/// request (its whole JSON, with the text so far) and a queued Anthropic stream.
+#[cfg(unix)]
+#[test]
+fn drain_answers_503_and_a_second_sigterm_ends_every_request_cleanly() {
+    let Some(mut s) = Server::start(&["-np", "2", "-c", "4096"]) else {
+        return;
+    };
+    let stream = open_stream(&s.addr, &endless("Write a very long story."), 3);
+    let addr = s.addr.clone();
+    let body = chat_body(
+        "Write a very long poem.",
+        json!({"max_tokens": 2000, "ignore_eos": true}),
+    )
+    .to_string();
+    let plain =
+        std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &[], Some(&body)));
+    s.wait_metric("slots_busy", 2.0, Duration::from_secs(30));
+    let messages = json!({
+        "model": MODEL_NAME,
+        "max_tokens": 2000,
+        "stream": true,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+    });
+    let mut queued = send_request(
+        &s.addr,
+        "POST",
+        "/v1/messages",
+        &[],
+        Some(&messages.to_string()),
+    );
+    let mut head = [0u8; 12];
+    queued.read_exact(&mut head).expect("response head");
+    assert_eq!(&head, b"HTTP/1.1 200");
+    s.wait_metric("queue_depth", 1.0, Duration::from_secs(30));
+    // the non-streamed request has some text (the two running ones take turns)
+    let t0 = Instant::now();
+    let before = s.metric("generated_tokens_total");
+    while s.metric("generated_tokens_total") < before + 20.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no tokens generated"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    sigterm(&s);
+    let t0 = Instant::now();
+    loop {
+        let r = s.get("/health");
+        if r.status == 503 {
+            assert_eq!(r.json(), json!({"status": "draining"}));
+            assert_eq!(r.header("connection"), Some("close"));
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never draining");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = s.post_json("/v1/chat/completions", &chat_body("Hi", json!({})));
+    assert_eq!(openai_error(&r, 503)["code"], "shutting_down");
+    let r = s.post_json("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 4}));
+    assert_eq!(openai_error(&r, 503)["code"], "shutting_down");
+    let r = s.post_json(
+        "/v1/messages",
+        &json!({"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["type"], "overloaded_error");
+    assert_eq!(s.metric("slots_busy"), 2.0, "the running requests go on");
+
+    sigterm(&s);
+    let rest = read_rest(stream);
+    assert!(rest.contains(r#""finish_reason":"length""#), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+
+    let r = plain.join().expect("request thread");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["choices"][0]["finish_reason"], "length", "{j}");
+    let n = j["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    assert!((1..2000).contains(&n), "{j}");
+    assert!(!chat_text(&r).is_empty(), "{j}");
+
+    let rest = read_rest(queued);
+    assert!(rest.contains(r#""stop_reason":"max_tokens""#), "{rest}");
+    assert!(rest.contains("event: message_stop"), "{rest}");
+
+    let status = wait_exit(&mut s, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
 }
 
 #[test]
