@@ -9,10 +9,11 @@
 //!   8..136. Sub-block `ib` (of 8) has the 6-bit scale `ls = (nibble ib of scales_l) |
 //!   (bits 2ib..2ib+2 of scales_h) << 4`, and `w = d * (ls - 32) * v[q]`.
 //!
-//! Quantization is ggml's `quantize_iq4_nl` / `quantize_iq4_xs` without an importance matrix
-//! (what `ggml_quantize_chunk` and `llama-quantize` run): per 32 weights a scale search over 15
-//! candidates with x²-weights, then, for IQ4_XS, 6-bit sub-block scales relative to `d` and a
-//! final re-assignment of codes. (ggml's `quantize_row_iq4_nl_ref` skips the search and so gives
+//! Quantization is ggml's `quantize_iq4_nl` / `quantize_iq4_xs` (what `ggml_quantize_chunk`
+//! and `llama-quantize` run), without an importance matrix or with one (`quantize_weighted`):
+//! per 32 weights a scale search over 15 candidates with x²-weights (or `qw·√(σ²+x²)`),
+//! then, for IQ4_XS, 6-bit sub-block scales relative to `d` and a final re-assignment of
+//! codes. (ggml's `quantize_row_iq4_nl_ref` skips the search and so gives
 //! different bytes; it is not what GGUF files are made with.)
 
 use super::{f16_to_f32, f32_to_f16, le_u16, nearest_int, sub_array, GROUP_MAX_EPS, QK_K};
@@ -52,9 +53,10 @@ fn best_index(x: f32) -> u8 {
     }
 }
 
-/// Best scale for 32 weights on the non-linear grid, maximizing `(Σ w q x)² / Σ w q²` with
-/// `w = x²` over the candidates `(t - 127) / max`, t in -7..=7. `None` for an all-zero block.
-fn search_scale(x: &[f32]) -> Option<f32> {
+/// Best scale for 32 weights on the non-linear grid, maximizing `(Σ w q x)² / Σ w q²` over
+/// the candidates `(t - 127) / max`, t in -7..=7 (`w = x²` without an importance matrix).
+/// `None` for an all-zero block.
+fn search_scale(x: &[f32], w: &[f32]) -> Option<f32> {
     let (mut amax, mut max) = (0f32, 0f32);
     for &v in x {
         if v.abs() > amax {
@@ -68,9 +70,8 @@ fn search_scale(x: &[f32]) -> Option<f32> {
     let v0 = f32::from(IQ4NL_VALUES[0]);
     let sums = |id: f32| {
         let (mut sumqx, mut sumq2) = (0f32, 0f32);
-        for &xv in x {
+        for (&xv, &w) in x.iter().zip(w) {
             let q = f32::from(IQ4NL_VALUES[usize::from(best_index(id * xv))]);
-            let w = xv * xv;
             sumqx += w * q * xv;
             sumq2 += w * q * q;
         }
@@ -89,6 +90,35 @@ fn search_scale(x: &[f32]) -> Option<f32> {
         }
     }
     Some(d)
+}
+
+/// The weights of the scale search for 32 values: `x²`, or with an importance matrix
+/// `qw · √(σ² + x²)` where `σ²` is twice the mean square of the (super-)block
+/// (`quantize_row_iq4_nl_impl`).
+fn search_weights(xb: &[f32], qw: Option<(&[f32], f32)>) -> [f32; 32] {
+    let mut w = [0f32; 32];
+    match qw {
+        Some((qw, sigma2)) => {
+            for ((w, &x), &q) in w.iter_mut().zip(xb).zip(qw) {
+                *w = q * (sigma2 + x * x).sqrt();
+            }
+        }
+        None => {
+            for (w, &x) in w.iter_mut().zip(xb) {
+                *w = x * x;
+            }
+        }
+    }
+    w
+}
+
+/// `σ²` of `quantize_row_iq4_nl_impl`: `Σ x² · (2 / n)`.
+fn sigma2(x: &[f32]) -> f32 {
+    let mut s = 0f32;
+    for &v in x {
+        s += v * v;
+    }
+    s * (2.0 / x.len() as f32)
 }
 
 /// Codes for 32 weights at inverse scale `id`, packed two per byte.
@@ -137,8 +167,18 @@ impl BlockIq4Nl {
 
     /// ggml's `quantize_iq4_nl` without an importance matrix.
     pub fn quantize(x: &[f32; 32]) -> Self {
+        Self::quantize_impl(x, None)
+    }
+
+    /// ggml's `quantize_iq4_nl` with the importance weights `qw` of these 32 columns.
+    pub fn quantize_weighted(x: &[f32; 32], qw: &[f32; 32]) -> Self {
+        Self::quantize_impl(x, Some(qw))
+    }
+
+    fn quantize_impl(x: &[f32; 32], qw: Option<&[f32; 32]>) -> Self {
+        let w = search_weights(x, qw.map(|q| (&q[..], sigma2(x))));
         // An all-zero block gets scale 0 and then every code from best_index(0 * x).
-        let d = search_scale(x).unwrap_or(0.0);
+        let d = search_scale(x, &w).unwrap_or(0.0);
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut qs = [0u8; 16];
         pack_codes(x, id, &mut qs);
@@ -214,10 +254,21 @@ impl BlockIq4Xs {
 
     /// ggml's `quantize_iq4_xs` without an importance matrix.
     pub fn quantize(x: &[f32; QK_K]) -> Self {
+        Self::quantize_impl(x, None)
+    }
+
+    /// ggml's `quantize_iq4_xs` with the importance weights `qw` of these 256 columns.
+    pub fn quantize_weighted(x: &[f32; QK_K], qw: &[f32; QK_K]) -> Self {
+        Self::quantize_impl(x, Some(qw))
+    }
+
+    fn quantize_impl(x: &[f32; QK_K], qw: Option<&[f32; QK_K]>) -> Self {
+        let s2 = qw.map(|_| sigma2(x));
         let mut scales = [0f32; 8];
         let (mut max_scale, mut amax_scale) = (0f32, 0f32);
-        for (s, xb) in scales.iter_mut().zip(x.chunks_exact(32)) {
-            if let Some(d) = search_scale(xb) {
+        for (ib, (s, xb)) in scales.iter_mut().zip(x.chunks_exact(32)).enumerate() {
+            let qwb = qw.zip(s2).map(|(q, s2)| (&q[32 * ib..32 * ib + 32], s2));
+            if let Some(d) = search_scale(xb, &search_weights(xb, qwb)) {
                 *s = d;
                 if d.abs() > amax_scale {
                     amax_scale = d.abs();

@@ -251,7 +251,7 @@ fn fit_symmetric(nmax: i32, x: &[f32; 16], l: &mut [i8]) -> f32 {
 }
 
 /// Packs four 2-bit planes per 128 weights: byte `l` of each 32 = `L[l] | L[l+32]<<2 | ...`.
-fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; QK_K / 4]) {
+pub(crate) fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; QK_K / 4]) {
     for (half, out) in qs.chunks_exact_mut(32).enumerate() {
         let base = half * 128;
         for (i, q) in out.iter_mut().enumerate() {
@@ -262,7 +262,7 @@ fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; QK_K / 4]) {
 }
 
 /// Packs Q4_K / Q5_K sub-block scales and mins (each clamped to 63) into 12 bytes.
-fn pack_scales_mins_k4(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; K_SCALE_SIZE] {
+pub(crate) fn pack_scales_mins_k4(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; K_SCALE_SIZE] {
     let mut s = [0u8; K_SCALE_SIZE];
     for j in 0..8 {
         if j < 4 {
@@ -860,7 +860,6 @@ impl BlockQ6K {
     pub fn quantize(x: &[f32; QK_K]) -> Self {
         let mut l = [0i8; QK_K];
         let mut scales = [0f32; 16];
-        let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
         for ib in 0..16 {
             let xs: &[f32; 16] = match x[16 * ib..16 * ib + 16].try_into() {
                 Ok(xs) => xs,
@@ -868,6 +867,16 @@ impl BlockQ6K {
             };
             let scale = fit_symmetric(32, xs, &mut l[16 * ib..16 * ib + 16]);
             scales[ib] = scale;
+        }
+        Self::from_sub_scales(x, &scales, l)
+    }
+
+    /// The rest of ggml's Q6_K quantizers once each sub-block has its scale (and its codes
+    /// `l`, kept where a sub-block's rounded scale is 0): 8-bit sub-block scales relative to
+    /// `d`, then every code again against the rounded scales.
+    pub(crate) fn from_sub_scales(x: &[f32; QK_K], scales: &[f32; 16], mut l: [i8; QK_K]) -> Self {
+        let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
+        for &scale in scales {
             if scale.abs() > max_abs_scale {
                 max_abs_scale = scale.abs();
                 max_scale = scale;
@@ -884,7 +893,7 @@ impl BlockQ6K {
         let iscale = -128.0 / max_scale;
         let d = f32_to_f16(1.0 / iscale);
         let mut sc = [0i8; 16];
-        for (s, &v) in sc.iter_mut().zip(&scales) {
+        for (s, &v) in sc.iter_mut().zip(scales.iter()) {
             *s = nearest_int(iscale * v).min(127) as i8;
         }
         for ((&s, xs), ls) in sc

@@ -40,6 +40,9 @@
 //! * [`mxfp4`]: MXFP4, blocks of 32 with a power-of-two (E8M0) scale; NVFP4, blocks of 64 with
 //!   four UE4M3 scales
 //! * [`q1q2`]: Q1_0 (sign bits, blocks of 128) and Q2_0 (2 bits, blocks of 64)
+//! * [`weighted`]: quantization with an importance matrix (`llama-quantize --imatrix`):
+//!   ggml's weighted Q4_0/Q4_1/Q5_0/Q5_1, Q2_K..Q6_K, IQ4_NL and IQ4_XS, row by row
+//!   ([`quantize_rows`], ggml's `ggml_quantize_chunk`)
 //!
 //! Every format here dequantizes ([`supports_dequantize`]); all but the grid i-quants also
 //! quantize ([`supports_quantize`]). ggml's grid i-quant quantizers need an importance matrix and
@@ -57,6 +60,7 @@ pub mod legacy;
 pub mod mxfp4;
 pub mod q1q2;
 pub mod ternary;
+pub mod weighted;
 
 pub use float::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_f16_row};
 pub use iqgrid::{
@@ -68,6 +72,7 @@ pub use legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_
 pub use mxfp4::{BlockMxfp4, BlockNvfp4, QK_MXFP4, QK_NVFP4};
 pub use q1q2::{BlockQ1_0, BlockQ2_0, QK1_0, QK2_0};
 pub use ternary::{BlockTq1_0, BlockTq2_0};
+pub use weighted::quantize_rows;
 
 use crate::types::GgmlType;
 
