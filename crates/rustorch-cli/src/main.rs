@@ -8,6 +8,7 @@ mod bench;
 mod chat;
 mod common;
 mod diff;
+mod imatrix;
 mod inspect;
 mod make_model;
 mod perplexity;

@@ -6,10 +6,17 @@
 //! appended last, data aligned to 32 bytes (or the input's `general.alignment`, where
 //! llama.cpp would write offsets for 32 that the key then contradicts).
 //!
-//! `--imatrix` (importance-matrix weighted quantization) is not supported yet.
+//! `--imatrix FILE` quantizes with an importance matrix (a GGUF or legacy `.dat` file from
+//! `rustorch imatrix` or `llama-imatrix`) as llama-quantize does: each matrix's rows are
+//! quantized by ggml's weighted quantizers (`quant::quantize_rows`) with the per-column
+//! importance `sum / count` (per expert for MoE weights), the recipe takes its imatrix
+//! branches, and the output carries `quantize.imatrix.file`, `.dataset`, `.entries_count`
+//! and `.chunks_count`. `--include-weights` / `--exclude-weights` keep or drop entries whose
+//! name contains the given text.
 
 mod recipe;
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal as _, Seek as _, Write};
 use std::path::{Path, PathBuf};
@@ -21,6 +28,7 @@ use rustorch_core::gguf::{GgufFile, TensorInfo, Value, ValueType};
 use rustorch_core::quant;
 use rustorch_core::GgmlType;
 
+use crate::imatrix::file as imatrix_file;
 use recipe::{Ftype, ModelInfo, Params, Recipe};
 
 #[derive(clap::Args, Debug)]
@@ -49,9 +57,20 @@ pub struct Args {
     /// ggml type for token_embd.weight
     #[arg(long, value_name = "T")]
     pub token_embedding_type: Option<String>,
-    /// Importance matrix (not supported yet)
+    /// Importance matrix (GGUF or legacy .dat, from `rustorch imatrix` or llama-imatrix)
     #[arg(long, value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
+    /// Use importance-matrix entries whose name contains this (repeatable)
+    #[arg(
+        long,
+        value_name = "NAME",
+        requires = "imatrix",
+        conflicts_with = "exclude_weights"
+    )]
+    pub include_weights: Vec<String>,
+    /// Drop importance-matrix entries whose name contains this (repeatable)
+    #[arg(long, value_name = "NAME", requires = "imatrix")]
+    pub exclude_weights: Vec<String>,
     /// Print each tensor's type and size without writing a file
     #[arg(long)]
     pub dry_run: bool,
@@ -162,18 +181,110 @@ struct Job<'a> {
     dims: Vec<u64>,
     new_type: GgmlType,
     new_bytes: u64,
+    /// Importance weights: one per column, per expert for a 3-D tensor.
+    imatrix: Option<&'a [f32]>,
+}
+
+/// The importance matrix as llama-quantize prepares it: per-column weights by tensor name,
+/// after `--exclude-weights` / `--include-weights`.
+struct Importance {
+    weights: BTreeMap<String, Vec<f32>>,
+    file: String,
+    dataset: Option<String>,
+    /// Chunks the matrix was computed on (0: unknown).
+    chunks: i32,
+}
+
+fn load_importance(args: &Args) -> anyhow::Result<Option<Importance>> {
+    let Some(path) = &args.imatrix else {
+        return Ok(None);
+    };
+    let im = imatrix_file::load(path)?;
+    if !im.legacy && !im.has_metadata {
+        bail!("missing imatrix metadata in file {}", path.display());
+    }
+    let mut weights = im.weights();
+    if !im.datasets.is_empty() {
+        eprintln!(
+            "quantize: imatrix datasets=[{}]",
+            im.datasets
+                .iter()
+                .map(|d| format!("'{d}'"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    eprintln!(
+        "quantize: loaded {} importance matrix entries from {} computed on {} chunks",
+        weights.len(),
+        path.display(),
+        im.chunk_count
+    );
+    for x in &args.exclude_weights {
+        weights.retain(|name, _| !name.contains(x.as_str()));
+    }
+    if !args.include_weights.is_empty() {
+        weights.retain(|name, _| {
+            args.include_weights
+                .iter()
+                .any(|x| name.contains(x.as_str()))
+        });
+    }
+    if weights.is_empty() {
+        // (llama-quantize then quantizes as without an imatrix)
+        return Ok(None);
+    }
+    eprintln!("quantize: have {} importance matrix entries", weights.len());
+    if let Some((name, v)) = weights
+        .iter()
+        .find_map(|(n, w)| w.iter().find(|v| !v.is_finite()).map(|v| (n, v)))
+    {
+        bail!("imatrix contains non-finite value {v} (entry '{name}')");
+    }
+    Ok(Some(Importance {
+        weights,
+        file: path.to_string_lossy().into_owned(),
+        dataset: im.datasets.first().cloned(),
+        chunks: im.chunk_count,
+    }))
+}
+
+/// The importance weights of tensor `t` (None when the matrix has no entry for it), checked
+/// against its shape as llama-quantize checks them: `ne0 · n_expert` values, else an error
+/// (the token embedding, which never has activations of its own, is quantized without).
+fn tensor_importance<'a>(imp: &'a Importance, t: &TensorInfo) -> anyhow::Result<Option<&'a [f32]>> {
+    let Some(w) = imp.weights.get(&t.name) else {
+        eprintln!("quantize: did not find weights for {}", t.name);
+        return Ok(None);
+    };
+    let expected = t.ne0() as u64 * t.dims.get(2).copied().unwrap_or(1);
+    if w.len() as u64 == expected {
+        return Ok(Some(w));
+    }
+    eprintln!(
+        "quantize: imatrix size {} is different from tensor size {expected} for {}",
+        w.len(),
+        t.name
+    );
+    if t.name == "token_embd.weight" || t.name == "per_layer_token_embd.weight" {
+        return Ok(None);
+    }
+    bail!(
+        "imatrix size {} is different from tensor size {expected} for {}",
+        w.len(),
+        t.name
+    )
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let plan = parse_positional(&args.positional)?;
-    if args.imatrix.is_some() {
-        bail!("--imatrix is not supported yet (quantize without it, as llama-quantize does without an importance matrix)");
-    }
+    let importance = load_importance(&args)?;
     let params = Params {
         pure: args.pure,
         quantize_output_tensor: !args.leave_output_tensor,
         output_tensor_type: parse_type("--output-tensor-type", &args.output_tensor_type)?,
         token_embedding_type: parse_type("--token-embedding-type", &args.token_embedding_type)?,
+        has_imatrix: importance.is_some(),
     };
     if !args.dry_run && same_file(&plan.input, &plan.output) {
         bail!(
@@ -229,11 +340,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let new_bytes = new_type
             .bytes_for(t.n_elements())
             .with_context(|| format!("tensor '{}' does not fit {new_type}", t.name))?;
+        let imatrix = match &importance {
+            Some(imp) if new_type != t.ty && !args.dry_run => tensor_importance(imp, t)?,
+            _ => None,
+        };
         jobs.push(Job {
             info: t,
             dims,
             new_type,
             new_bytes,
+            imatrix,
         });
     }
 
@@ -241,7 +357,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.dry_run {
         report(&src, &jobs, None, plan.threads)?;
     } else {
-        write_model(&src, &jobs, &plan)?;
+        write_model(&src, &jobs, &plan, importance.as_ref())?;
     }
     if recipe.n_fallback > 0 {
         eprintln!(
@@ -405,7 +521,7 @@ fn report(
             if job.new_type == t.ty {
                 out.write_all(data)?;
             } else {
-                let q = pool.install(|| convert(t, data, job.new_type))?;
+                let q = pool.install(|| convert(t, data, job.new_type, job.imatrix))?;
                 out.write_all(&q)?;
             }
             let pad = job.new_bytes.next_multiple_of(*align) - job.new_bytes;
@@ -433,22 +549,63 @@ fn report(
 }
 
 /// Dequantizes and requantizes one tensor, row chunks spread over the pool's threads. Every
-/// row is quantized on its own, so the bytes do not depend on the number of threads.
-fn convert(t: &TensorInfo, data: &[u8], new_type: GgmlType) -> anyhow::Result<Vec<u8>> {
+/// row is quantized on its own, so the bytes do not depend on the number of threads. With
+/// importance weights, each row takes its expert's (`ne1` rows per expert); chunks never
+/// cross an expert boundary, as llama.cpp's.
+fn convert(
+    t: &TensorInfo,
+    data: &[u8],
+    new_type: GgmlType,
+    imatrix: Option<&[f32]>,
+) -> anyhow::Result<Vec<u8>> {
     let ne0 = t.ne0();
     let rows = t.n_rows();
+    let rows_per_expert = (t.dims.get(1).copied().unwrap_or(1) as usize).max(1);
     let row_src = t.ty.bytes_for(ne0 as u64).context("row size")? as usize;
     let row_dst = new_type.bytes_for(ne0 as u64).context("row size")? as usize;
     // llama.cpp's chunk: at least 32*512 values, whole rows.
-    let rows_per_chunk = (32 * 512usize).div_ceil(ne0.max(1)).max(1);
+    let mut rows_per_chunk = (32 * 512usize).div_ceil(ne0.max(1)).max(1);
+    if imatrix.is_some() {
+        rows_per_chunk = rows_per_chunk.min(rows_per_expert);
+    }
+    // chunk starts: every rows_per_chunk rows within each expert
+    let mut starts = Vec::new();
+    for e0 in (0..rows).step_by(if imatrix.is_some() {
+        rows_per_expert
+    } else {
+        rows.max(1)
+    }) {
+        let end = if imatrix.is_some() {
+            (e0 + rows_per_expert).min(rows)
+        } else {
+            rows
+        };
+        starts.extend(
+            (e0..end)
+                .step_by(rows_per_chunk)
+                .map(|r| (r, (r + rows_per_chunk).min(end))),
+        );
+    }
     let mut out = vec![0u8; rows * row_dst];
-    out.par_chunks_mut(rows_per_chunk * row_dst)
-        .zip(data[..rows * row_src].par_chunks(rows_per_chunk * row_src))
-        .try_for_each(|(dst, s)| -> anyhow::Result<()> {
-            let mut f = vec![0f32; s.len() / row_src * ne0];
+    let mut pieces: Vec<(usize, usize, &mut [u8])> = Vec::with_capacity(starts.len());
+    let mut rest: &mut [u8] = &mut out;
+    for &(r0, r1) in &starts {
+        let (head, tail) = rest.split_at_mut((r1 - r0) * row_dst);
+        pieces.push((r0, r1, head));
+        rest = tail;
+    }
+    pieces
+        .into_par_iter()
+        .try_for_each(|(r0, r1, dst)| -> anyhow::Result<()> {
+            let s = &data[r0 * row_src..r1 * row_src];
+            let mut f = vec![0f32; (r1 - r0) * ne0];
             quant::dequantize(t.ty, s, &mut f)
                 .with_context(|| format!("decoding tensor '{}'", t.name))?;
-            quant::quantize(new_type, &f, dst)
+            let qw = imatrix.map(|w| {
+                let e = r0 / rows_per_expert;
+                &w[e * ne0..(e + 1) * ne0]
+            });
+            quant::quantize_rows(new_type, &f, dst, ne0, qw)
                 .with_context(|| format!("encoding tensor '{}'", t.name))?;
             Ok(())
         })?;
@@ -457,29 +614,59 @@ fn convert(t: &TensorInfo, data: &[u8], new_type: GgmlType) -> anyhow::Result<Ve
 
 /// The output metadata: the input's keys in order, without the split keys, then
 /// `general.quantization_version` and `general.file_type` (llama.cpp's gguf_set_val_u32
-/// removes a key and appends it).
-fn out_metadata(src: &GgufFile, ftype: Ftype) -> Vec<(String, Value)> {
-    const DROP: [&str; 5] = [
-        "general.quantization_version",
-        "general.file_type",
-        "split.no",
-        "split.count",
-        "split.tensors.count",
+/// removes a key and appends it), then with an importance matrix llama-quantize's
+/// `quantize.imatrix.*` keys (its KV overrides, set the same way).
+fn out_metadata(src: &GgufFile, ftype: Ftype, imp: Option<&Importance>) -> Vec<(String, Value)> {
+    let mut add: Vec<(String, Value)> = vec![
+        ("general.quantization_version".into(), Value::U32(2)),
+        ("general.file_type".into(), Value::U32(ftype.id())),
     ];
+    if let Some(imp) = imp {
+        // (llama.cpp copies override strings into 128-byte buffers)
+        let clip = |s: &str| {
+            let mut n = s.len().min(127);
+            while !s.is_char_boundary(n) {
+                n -= 1;
+            }
+            s[..n].to_string()
+        };
+        add.push((
+            "quantize.imatrix.file".into(),
+            Value::String(clip(&imp.file)),
+        ));
+        if let Some(d) = &imp.dataset {
+            add.push(("quantize.imatrix.dataset".into(), Value::String(clip(d))));
+        }
+        add.push((
+            "quantize.imatrix.entries_count".into(),
+            Value::U32(imp.weights.len() as u32),
+        ));
+        if imp.chunks > 0 {
+            add.push((
+                "quantize.imatrix.chunks_count".into(),
+                Value::U32(imp.chunks as u32),
+            ));
+        }
+    }
+    const SPLIT: [&str; 3] = ["split.no", "split.count", "split.tensors.count"];
     let mut kv: Vec<(String, Value)> = src
         .metadata()
         .iter()
-        .filter(|(k, _)| !DROP.contains(&k.as_str()))
+        .filter(|(k, _)| !SPLIT.contains(&k.as_str()) && !add.iter().any(|(a, _)| a == k))
         .cloned()
         .collect();
-    kv.push(("general.quantization_version".into(), Value::U32(2)));
-    kv.push(("general.file_type".into(), Value::U32(ftype.id())));
+    kv.extend(add);
     kv
 }
 
-fn write_model(src: &GgufFile, jobs: &[Job], plan: &Plan) -> anyhow::Result<()> {
+fn write_model(
+    src: &GgufFile,
+    jobs: &[Job],
+    plan: &Plan,
+    imp: Option<&Importance>,
+) -> anyhow::Result<()> {
     let align = src.alignment();
-    let meta = out_metadata(src, plan.ftype);
+    let meta = out_metadata(src, plan.ftype, imp);
     let mut header = Vec::new();
     header.extend_from_slice(b"GGUF");
     header.extend_from_slice(&3u32.to_le_bytes());

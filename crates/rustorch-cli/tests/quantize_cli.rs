@@ -209,8 +209,12 @@ fn bad_arguments_are_refused() {
         (vec![i, o, "Q9_K"], "invalid ftype 'Q9_K'"),
         (vec![i, i, "Q8_0"], "input and output files are the same"),
         (
-            vec!["--imatrix", "x.dat", i, o, "Q4_K_M"],
-            "--imatrix is not supported yet",
+            vec!["--imatrix", "no-such-imatrix.dat", i, o, "Q4_K_M"],
+            "cannot read 'no-such-imatrix.dat'",
+        ),
+        (
+            vec!["--imatrix", i, i, o, "Q4_K_M"],
+            "missing imatrix metadata",
         ),
         (
             vec!["--output-tensor-type", "q7_0", i, o, "Q4_K_M"],

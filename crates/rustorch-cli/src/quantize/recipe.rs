@@ -231,6 +231,9 @@ pub struct Params {
     pub quantize_output_tensor: bool,
     pub output_tensor_type: Option<GgmlType>,
     pub token_embedding_type: Option<GgmlType>,
+    /// An importance matrix is given (`qs.has_imatrix`): IQ4_NL/IQ4_XS keep their type in
+    /// the first eighth of FFN-down, Q4_0/Q5_0 take Q4_1/Q5_1 there.
+    pub has_imatrix: bool,
 }
 
 /// `tensor_allows_quantization`: whether a tensor may change type at all.
@@ -560,15 +563,23 @@ impl<'a> Recipe<'a> {
                 } else if use_more_bits(i_layer, n_layer) {
                     new_type = T::Q6_K;
                 }
-            } else if i_layer < n_layer / 8 && matches!(ftype, F::IQ4_NL | F::IQ4_XS) {
-                // (&& !has_imatrix)
+            } else if i_layer < n_layer / 8
+                && matches!(ftype, F::IQ4_NL | F::IQ4_XS)
+                && !self.params.has_imatrix
+            {
                 new_type = T::Q5_K;
             } else if ftype == F::Q5_K_M && use_more_bits(i_layer, n_layer) {
                 new_type = T::Q6_K;
             } else if ftype == F::Q4_K_S && !falcon && i_layer < n_layer / 8 {
                 new_type = T::Q5_K;
+            } else if matches!(ftype, F::Q4_0 | F::Q5_0)
+                && self.params.has_imatrix
+                && i_layer < n_layer / 8
+            {
+                // llama.cpp guards the first FFN-down layers against Q4_0/Q5_0 "craziness",
+                // only with an imatrix (without one the quantization stays what it was)
+                new_type = if ftype == F::Q4_0 { T::Q4_1 } else { T::Q5_1 };
             }
-            // (Q4_0/Q5_0 with an imatrix take Q4_1/Q5_1 in the first eighth)
             self.i_ffn_down += 1;
         } else if cat == Category::AttentionOutput {
             if !falcon {
