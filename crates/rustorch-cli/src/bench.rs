@@ -92,6 +92,9 @@ struct ModelInfo {
     peak_rss: u64,
     file_size: u64,
     kv_bytes_per_cell: u64,
+    /// The KV cache types (llama-bench's `type_k`, `type_v`).
+    type_k: &'static str,
+    type_v: &'static str,
     /// `CPU` or `CUDA`, the GPU's name, and the layers on it (llama-bench's fields).
     backend: &'static str,
     gpu_info: String,
@@ -274,7 +277,9 @@ fn load_model(
         Arc::new(GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?);
     let hp = rustorch_llm::HParams::from_gguf(&gguf).context("loading the model")?;
     let placement = dev.placement(hp.n_layer)?;
-    let model = Model::load_on(gguf.clone(), placement, n_ctx).context("loading the model")?;
+    let types = dev.cache_types()?;
+    let mut model = Model::load_on(gguf.clone(), placement, n_ctx).context("loading the model")?;
+    model.set_cache_types(types)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let hp = model.hparams();
     let size = gguf.tensor_bytes();
@@ -292,7 +297,9 @@ fn load_model(
         load_ms,
         peak_rss: 0,
         file_size: gguf.file_size(),
-        kv_bytes_per_cell: hp.kv_bytes_per_cell() as u64,
+        kv_bytes_per_cell: hp.kv_bytes_per_cell_as(types) as u64,
+        type_k: types.k.name(),
+        type_v: types.v.name(),
         backend: model.backend_name(),
         gpu_info: model.gpu_name().unwrap_or_default(),
         n_gpu_layers: if model.gpu_name().is_some() {
@@ -374,8 +381,8 @@ fn to_json(r: &TestResult, cpu: &str) -> Value {
         "n_batch": r.n_prompt.max(1),
         "n_ubatch": r.n_prompt.max(1),
         "n_threads": r.n_threads,
-        "type_k": "f16",
-        "type_v": "f16",
+        "type_k": r.model.type_k,
+        "type_v": r.model.type_v,
         "n_gpu_layers": r.model.n_gpu_layers,
         "flash_attn": true,
         "n_prompt": r.n_prompt,
@@ -489,12 +496,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .max()
                     .unwrap_or(0);
             eprintln!(
-                "{}: load {:.1} ms, peak RSS {:.1} MiB (file {:.1} MiB + KV cache {:.1} MiB), kernels {}",
+                "{}: load {:.1} ms, peak RSS {:.1} MiB (file {:.1} MiB + KV cache {:.1} MiB, K {}, V {}), kernels {}",
                 path.display(),
                 info.load_ms,
                 info.peak_rss as f64 / 1048576.0,
                 info.file_size as f64 / 1048576.0,
                 kv as f64 / 1048576.0,
+                info.type_k,
+                info.type_v,
                 rustorch_core::kernels::isa().name()
             );
         }

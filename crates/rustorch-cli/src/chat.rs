@@ -236,6 +236,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let loaded = common::load(&path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_ctx = common::ctx_size(args.ctx_size, model);
+    eprintln!("rustorch: {}", common::kv_cache_line(model, n_ctx));
     let template = common::chat_template(
         &loaded.gguf,
         args.chat_template.as_deref(),

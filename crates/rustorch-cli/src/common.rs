@@ -11,6 +11,7 @@ use rustorch_core::gguf::GgufFile;
 use rustorch_core::kernels::physical_cores;
 use rustorch_llm::chat::ChatTemplate;
 use rustorch_llm::grammar::{GrammarEngine, GrammarSpec};
+use rustorch_llm::kv_cache::{parse_kv_type, KvTypes};
 use rustorch_llm::sampler::{Sampler, SamplerParams};
 use rustorch_llm::tokenizer::Tokenizer;
 use rustorch_llm::{Model, Placement};
@@ -125,7 +126,7 @@ pub fn process_escapes(input: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Where the model runs (run, chat, serve, bench, perplexity).
+/// Where the model runs and how its KV cache is kept (run, chat, serve, bench, perplexity).
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArgs {
     /// auto (the GPU when there is one), cpu, cuda or cuda:N
@@ -135,9 +136,36 @@ pub struct DeviceArgs {
     /// = all on the GPU (a split is not supported yet)
     #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers")]
     pub n_gpu_layers: Option<usize>,
+    /// KV cache type of the keys (`-ctk`): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl
+    #[arg(long = "cache-type-k", default_value = "f16")]
+    pub cache_type_k: String,
+    /// KV cache type of the values (`-ctv`): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl
+    #[arg(long = "cache-type-v", default_value = "f16")]
+    pub cache_type_v: String,
+}
+
+impl Default for DeviceArgs {
+    fn default() -> Self {
+        DeviceArgs {
+            device: "auto".to_string(),
+            n_gpu_layers: None,
+            cache_type_k: "f16".to_string(),
+            cache_type_v: "f16".to_string(),
+        }
+    }
 }
 
 impl DeviceArgs {
+    /// The KV cache types `-ctk` / `-ctv` name; an unknown name is an error listing the
+    /// valid ones.
+    pub fn cache_types(&self) -> anyhow::Result<KvTypes> {
+        let k = parse_kv_type(&self.cache_type_k)
+            .map_err(|e| anyhow::anyhow!("-ctk/--cache-type-k: {e}"))?;
+        let v = parse_kv_type(&self.cache_type_v)
+            .map_err(|e| anyhow::anyhow!("-ctv/--cache-type-v: {e}"))?;
+        Ok(KvTypes { k, v })
+    }
+
     /// The placement these flags ask for, for a model of `n_layer` layers. `auto` without a
     /// usable GPU is the CPU; an explicit `cuda` without one is an error naming what is
     /// missing.
@@ -197,6 +225,8 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
         s.enable_steady_tick(Duration::from_millis(80));
         s
     });
+    // a misspelt cache type fails before the model loads
+    let types = dev.map(DeviceArgs::cache_types).transpose()?;
     let result = (|| -> anyhow::Result<Loaded> {
         let gguf = Arc::new(
             GgufFile::open(path).with_context(|| format!("loading '{}'", path.display()))?,
@@ -210,8 +240,11 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
             }
             None => (Placement::Cpu, 0),
         };
-        let model =
+        let mut model =
             Model::load_on(gguf.clone(), placement.0, placement.1).context("loading the model")?;
+        if let Some(t) = types {
+            model.set_cache_types(t)?;
+        }
         if model.backend_name() != "CPU" {
             let hp = model.hparams();
             let mib = |b: f64| b / (1024.0 * 1024.0);
@@ -238,6 +271,26 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
     let mut loaded = result?;
     loaded.load_time = t0.elapsed();
     Ok(loaded)
+}
+
+/// The KV cache's size as llama.cpp prints it at start-up (`llama_kv_cache: size = ...`):
+/// `KV cache: size =    5.98 MiB (  512 cells,  30 layers), K (q8_0):    2.99 MiB, V (q8_0):
+/// 2.99 MiB`.
+pub fn kv_cache_line(model: &Model, n_ctx: usize) -> String {
+    let hp = model.hparams();
+    let t = model.cache_types();
+    let row = |ty| rustorch_core::kv_cache::row_bytes(ty, hp.kv_dim()) * hp.n_layer * n_ctx;
+    let (k, v) = (row(t.k), row(t.v));
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    format!(
+        "KV cache: size = {:7.2} MiB ({n_ctx:6} cells, {:3} layers), K ({}): {:7.2} MiB, V ({}): {:7.2} MiB",
+        mib(k + v),
+        hp.n_layer,
+        t.k.name(),
+        mib(k),
+        t.v.name(),
+        mib(v)
+    )
 }
 
 /// The chat template: a built-in name or file given by the user, else the GGUF's own,
@@ -488,6 +541,8 @@ pub fn expand_llama_aliases(args: impl Iterator<Item = String>) -> Vec<String> {
             "-st" => "--single-turn",
             "-fa" => "--flash-attn",
             "-ngl" => "--n-gpu-layers",
+            "-ctk" => "--cache-type-k",
+            "-ctv" => "--cache-type-v",
             _ => return a,
         }
         .to_string()

@@ -63,7 +63,7 @@ fn run_side(
 ) -> anyhow::Result<Trace> {
     let placement = DeviceArgs {
         device: spec.to_string(),
-        n_gpu_layers: None,
+        ..DeviceArgs::default()
     }
     .placement(usize::MAX)?;
     let placement = match placement {

@@ -74,6 +74,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("-c {n_ctx} is too small for perplexity (at least 8)");
     }
     let loaded = common::load(&path, Some(&args.device), n_ctx)?;
+    eprintln!("rustorch: {}", common::kv_cache_line(&loaded.model, n_ctx));
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let tokens = tok.encode(&text, true, false)?;
     let mut n_chunks = tokens.len() / n_ctx;
@@ -681,6 +682,10 @@ fn kl_divergence(args: &Args) -> anyhow::Result<()> {
     let hdr = read_base_header(&mut r).with_context(|| format!("'{}'", base_path.display()))?;
     let path = common::resolve_model(args.model.as_deref())?;
     let loaded = common::load(&path, Some(&args.device), hdr.n_ctx)?;
+    eprintln!(
+        "rustorch: {}",
+        common::kv_cache_line(&loaded.model, hdr.n_ctx)
+    );
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_vocab = model.hparams().n_vocab;
     if hdr.n_vocab != n_vocab {

@@ -96,6 +96,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let loaded = common::load(&path, Some(&args.device), args.ctx_size.unwrap_or(0))?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let n_ctx = common::ctx_size(args.ctx_size, model);
+    eprintln!("rustorch: {}", common::kv_cache_line(model, n_ctx));
 
     let mut stops: Vec<String> = args.reverse_prompt.iter().map(|r| unescape(r)).collect();
     let text = if args.chat {

@@ -1,7 +1,8 @@
 //! The key/value cache: per sequence, a list of cells each holding the position it was
-//! written at and, per layer, its key and value vectors (f16, like llama.cpp's default
-//! cache type). Attention looks at the cells of the query's sequence whose position is
-//! not after the query's, so the cache never needs positions to be contiguous.
+//! written at and, per layer, its key and value vectors (f16 by default, like llama.cpp;
+//! or any of llama.cpp's `--cache-type-k/-v` types, see [`KvTypes`]). Attention looks at
+//! the cells of the query's sequence whose position is not after the query's, so the cache
+//! never needs positions to be contiguous.
 //!
 //! Where the rows live is pluggable. A cache made with [`KvCache::new`] keeps them on the
 //! host, per sequence and layer, cell after cell (the CPU attention walks them in place).
@@ -14,7 +15,9 @@
 use std::any::Any;
 use std::collections::BTreeMap;
 
-use crate::quant::{f16_to_f32, f32_to_f16, f32_to_f16_row};
+use crate::kernels::{ops::fwht, quantize_scalar};
+use crate::quant::{self, f16_to_f32, f32_to_f16, f32_to_f16_row, IQ4NL_VALUES};
+use crate::GgmlType;
 
 /// Identifies a sequence (a conversation, a server slot) in a batch and in the cache.
 pub type SeqId = u32;
@@ -24,10 +27,11 @@ pub struct SeqCells {
     pub pos: Vec<u32>,
     /// The store slot of each cell (see [`KvStore`]; bookkeeping only for a host cache).
     pub slots: Vec<u32>,
-    /// per layer: `pos.len() * kv_dim` keys, row per cell (already rotated); empty when
-    /// the rows live in a [`KvStore`]
+    /// per layer: the keys (already rotated), one row per cell encoded as the cache's key
+    /// type and kept in 16-bit words (f16 values, or the bytes of quantized blocks, see
+    /// [`words_as_bytes`]); empty when the rows live in a [`KvStore`]
     pub k: Vec<Vec<u16>>,
-    /// per layer: values, row per cell (empty with a [`KvStore`])
+    /// per layer: values, one row per cell as the value type (empty with a [`KvStore`])
     pub v: Vec<Vec<u16>>,
 }
 
@@ -57,11 +61,238 @@ pub trait KvStore: Send + Sync + Any {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// The names `--cache-type-k` / `--cache-type-v` accept, as llama.cpp spells them.
+pub const KV_CACHE_TYPES: [&str; 8] = [
+    "f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl",
+];
+
+/// The encodings of cached keys and values (llama.cpp's `type_k` / `type_v`).
+///
+/// Attention then computes what llama.cpp's CPU flash attention computes for those types
+/// (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`): the query in the key type's
+/// vec-dot format (f16, or Q8_0 / Q8_1 blocks), `K·Q` by that type's dot product, values
+/// decoded to f32 and accumulated in f32 (or, for f16 values, in the f16 accumulator). A
+/// quantized type also turns on llama.cpp's Hadamard rotation of that side
+/// ([`KvCache::k_rot`], [`KvCache::v_rot`]). `f32` keys and values are stored as f32 and
+/// rounded to f16 when attended, as llama.cpp casts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvTypes {
+    pub k: GgmlType,
+    pub v: GgmlType,
+}
+
+impl Default for KvTypes {
+    fn default() -> Self {
+        KvTypes {
+            k: GgmlType::F16,
+            v: GgmlType::F16,
+        }
+    }
+}
+
+/// Why a cache type was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvTypeError {
+    #[error(
+        "unsupported KV cache type '{name}' (valid: {valid})",
+        valid = KV_CACHE_TYPES.join(", ")
+    )]
+    Unknown { name: String },
+    #[error(
+        "KV cache type {ty} needs a head size that is a multiple of {block}, but this model's \
+         is {head_dim}"
+    )]
+    HeadSize {
+        ty: &'static str,
+        block: usize,
+        head_dim: usize,
+    },
+}
+
+/// The cache type named `name` (one of [`KV_CACHE_TYPES`], case-insensitive).
+pub fn parse_kv_type(name: &str) -> Result<GgmlType, KvTypeError> {
+    let n = name.trim().to_ascii_lowercase();
+    KV_CACHE_TYPES
+        .iter()
+        .position(|&t| t == n)
+        .map(|i| match i {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q8_0,
+            3 => GgmlType::Q4_0,
+            4 => GgmlType::Q4_1,
+            5 => GgmlType::Q5_0,
+            6 => GgmlType::Q5_1,
+            _ => GgmlType::IQ4_NL,
+        })
+        .ok_or_else(|| KvTypeError::Unknown {
+            name: name.to_string(),
+        })
+}
+
+impl KvTypes {
+    /// Whether both are f16 (the default, and the only types a [`KvStore`] holds).
+    pub fn is_f16(&self) -> bool {
+        self.k == GgmlType::F16 && self.v == GgmlType::F16
+    }
+
+    /// Checks that both are cache types and fit heads of `head_dim` values.
+    pub fn check(&self, head_dim: usize) -> Result<(), KvTypeError> {
+        for ty in [self.k, self.v] {
+            if !KV_CACHE_TYPES.contains(&ty.name()) {
+                return Err(KvTypeError::Unknown {
+                    name: ty.name().to_string(),
+                });
+            }
+            if !head_dim.is_multiple_of(ty.block_size()) {
+                return Err(KvTypeError::HeadSize {
+                    ty: ty.name(),
+                    block: ty.block_size(),
+                    head_dim,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of one cache row of `n` values encoded as `ty`.
+pub fn row_bytes(ty: GgmlType, n: usize) -> usize {
+    n / ty.block_size() * ty.type_size()
+}
+
+/// The bytes of a row kept in 16-bit words (every cache type's blocks have an even size).
+pub fn words_as_bytes(w: &[u16]) -> &[u8] {
+    // SAFETY: the same memory, read as bytes (alignment 1, twice as many elements).
+    unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u8, w.len() * 2) }
+}
+
+fn words_as_bytes_mut(w: &mut [u16]) -> &mut [u8] {
+    // SAFETY: as in `words_as_bytes`; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr() as *mut u8, w.len() * 2) }
+}
+
+/// Whether `ty` is a block (quantized) cache type.
+fn quantized(ty: GgmlType) -> bool {
+    ty.block_size() > 1
+}
+
+/// The size of llama.cpp's Hadamard rotation for the keys of a quantized key type: the
+/// largest power of two (64 or more) that divides the head size; `None` for an unquantized
+/// type or a head size that is not a multiple of 64 (`llama_kv_cache::build_input_k_rot`).
+pub fn k_rotation(ty: GgmlType, head_dim: usize) -> Option<usize> {
+    if !quantized(ty) || head_dim == 0 || !head_dim.is_multiple_of(64) {
+        return None;
+    }
+    let mut n = 64;
+    while head_dim.is_multiple_of(n * 2) {
+        n *= 2;
+    }
+    Some(n)
+}
+
+/// The Hadamard rotation of values of a quantized value type: 64 when the head size is a
+/// multiple of 64 (`llama_kv_cache::build_input_v_rot`).
+pub fn v_rotation(ty: GgmlType, head_dim: usize) -> Option<usize> {
+    (quantized(ty) && head_dim > 0 && head_dim.is_multiple_of(64)).then_some(64)
+}
+
+/// Encodes one row of `x.len()` values as the cache type `ty` into `out` (its row bytes),
+/// as ggml-cpu's `from_float` of that type does when llama.cpp writes the cache
+/// (`set_rows`): f16 rounding, Q8_0 with ggml-cpu's x86 encoder (`127/amax`, ties to even),
+/// Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL with the reference quantizers (`quantize_row_*_ref`; IQ4_NL's
+/// without the scale search).
+pub fn encode_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
+    match ty {
+        GgmlType::F16 => {
+            for (o, &v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&f32_to_f16(v).to_le_bytes());
+            }
+        }
+        GgmlType::Q8_0 => {
+            let _ = quantize_scalar(ty, x, out);
+        }
+        GgmlType::IQ4_NL => {
+            for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(18)) {
+                iq4_nl_ref(xb, ob);
+            }
+        }
+        _ => {
+            let _ = quant::quantize(ty, x, out);
+        }
+    }
+}
+
+/// ggml's `quantize_row_iq4_nl_ref` for one block of 32: scale `max / -127`, codes nearest to
+/// `x / scale`, then the least-squares scale for those codes with `x²` weights (no search).
+/// An all-zero block gets scale 0 (ggml leaves its codes as the previous block's; they
+/// decode to zeros either way).
+fn iq4_nl_ref(x: &[f32], out: &mut [u8]) {
+    let v = |i: u8| f32::from(IQ4NL_VALUES[usize::from(i)]);
+    let best = |a: f32| -> u8 {
+        if a <= v(0) {
+            return 0;
+        }
+        if a >= v(15) {
+            return 15;
+        }
+        let (mut lo, mut hi) = (0u8, 15u8);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if a < v(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        if a - v(hi - 1) < v(hi) - a {
+            hi - 1
+        } else {
+            hi
+        }
+    };
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &a in x {
+        if a.abs() > amax {
+            amax = a.abs();
+            max = a;
+        }
+    }
+    let mut codes = [0u8; 32];
+    let mut d = 0f32;
+    if amax >= quant::GROUP_MAX_EPS {
+        let id = 1.0 / (max / v(0));
+        let (mut sumqx, mut sumq2) = (0f32, 0f32);
+        for (c, &a) in codes.iter_mut().zip(x) {
+            *c = best(id * a);
+            let (q, w) = (v(*c), a * a);
+            sumqx += w * q * a;
+            sumq2 += w * q * q;
+        }
+        d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+    }
+    out[..2].copy_from_slice(&f32_to_f16(d).to_le_bytes());
+    for j in 0..16 {
+        out[2 + j] = codes[j] | (codes[j + 16] << 4);
+    }
+}
+
+/// Decodes one row of cache type `ty` to f32 (ggml's `to_float`).
+pub fn decode_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    let _ = quant::dequantize(ty, bytes, out);
+}
+
 /// Key/value cache for all sequences, holding at most `n_ctx` cells in total.
 pub struct KvCache {
     n_layer: usize,
     kv_dim: usize,
     n_ctx: usize,
+    /// How keys and values are encoded, and the head size (for the Hadamard rotations).
+    types: KvTypes,
+    head_dim: usize,
+    /// 16-bit words per key row and per value row.
+    k_words: usize,
+    v_words: usize,
     seqs: BTreeMap<SeqId, SeqCells>,
     /// Slots given back by removed cells.
     free: Vec<u32>,
@@ -78,6 +309,7 @@ impl std::fmt::Debug for KvCache {
             .field("n_layer", &self.n_layer)
             .field("kv_dim", &self.kv_dim)
             .field("n_ctx", &self.n_ctx)
+            .field("types", &self.types)
             .field("used", &self.used())
             .field("n_slots", &self.n_slots)
             .field("store", &self.store.is_some())
@@ -99,12 +331,16 @@ pub enum KvCacheError {
 }
 
 impl KvCache {
-    /// A cache whose rows live on the host.
+    /// A cache whose rows live on the host, f16.
     pub fn new(n_layer: usize, kv_dim: usize, n_ctx: usize) -> Self {
         KvCache {
             n_layer,
             kv_dim,
             n_ctx,
+            types: KvTypes::default(),
+            head_dim: kv_dim,
+            k_words: kv_dim,
+            v_words: kv_dim,
             seqs: BTreeMap::new(),
             free: Vec::new(),
             next: 0,
@@ -113,7 +349,56 @@ impl KvCache {
         }
     }
 
-    /// A cache whose rows live in `store` (its slots as allocated, usually `n_ctx`).
+    /// A cache whose rows live on the host, keys and values encoded as `types`, for heads
+    /// of `head_dim` values (`kv_dim` is a multiple of it).
+    pub fn with_types(
+        n_layer: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        n_ctx: usize,
+        types: KvTypes,
+    ) -> Result<Self, KvTypeError> {
+        types.check(head_dim)?;
+        Ok(KvCache {
+            types,
+            head_dim,
+            k_words: row_bytes(types.k, kv_dim) / 2,
+            v_words: row_bytes(types.v, kv_dim) / 2,
+            ..KvCache::new(n_layer, kv_dim, n_ctx)
+        })
+    }
+
+    /// How keys and values are encoded.
+    pub fn types(&self) -> KvTypes {
+        self.types
+    }
+
+    /// 16-bit words of one cell's key row and value row (in [`SeqCells::k`] / `v`).
+    pub fn row_words(&self) -> (usize, usize) {
+        (self.k_words, self.v_words)
+    }
+
+    /// Bytes the keys and the values of `n_ctx` cells take (every layer).
+    pub fn size_bytes(&self) -> (usize, usize) {
+        let cells = self.n_ctx * self.n_layer;
+        (
+            cells * row_bytes(self.types.k, self.kv_dim),
+            cells * row_bytes(self.types.v, self.kv_dim),
+        )
+    }
+
+    /// The Hadamard rotation llama.cpp applies to queries and keys of this cache (chunks
+    /// of this many values), when the key type is quantized: see [`k_rotation`].
+    pub fn k_rot(&self) -> Option<usize> {
+        k_rotation(self.types.k, self.head_dim)
+    }
+
+    /// The rotation of values and of the attention output: see [`v_rotation`].
+    pub fn v_rot(&self) -> Option<usize> {
+        v_rotation(self.types.v, self.head_dim)
+    }
+
+    /// A cache whose rows live in `store` (its slots as allocated, usually `n_ctx`), f16.
     pub fn with_store(
         n_layer: usize,
         kv_dim: usize,
@@ -206,7 +491,12 @@ impl KvCache {
             return i;
         }
         let slot = self.alloc_slot();
-        let (n_layer, kv_dim, host) = (self.n_layer, self.kv_dim, self.store.is_none());
+        let (n_layer, kw, vw, host) = (
+            self.n_layer,
+            self.k_words,
+            self.v_words,
+            self.store.is_none(),
+        );
         let s = self.seqs.entry(seq).or_insert_with(|| SeqCells {
             pos: Vec::new(),
             slots: Vec::new(),
@@ -217,20 +507,23 @@ impl KvCache {
         s.slots.push(slot);
         if host {
             for l in 0..n_layer {
-                s.k[l].resize(s.pos.len() * kv_dim, 0);
-                s.v[l].resize(s.pos.len() * kv_dim, 0);
+                s.k[l].resize(s.pos.len() * kw, 0);
+                s.v[l].resize(s.pos.len() * vw, 0);
             }
         }
         s.pos.len() - 1
     }
 
+    /// Stores one cell's key and value rows of `layer` (`kv_dim` values each), encoded as
+    /// the cache's types. Rows of a rotated type ([`KvCache::k_rot`], [`KvCache::v_rot`])
+    /// come already rotated.
     pub fn write(&mut self, seq: SeqId, cell: usize, layer: usize, k: &[f32], v: &[f32]) {
-        let d = self.kv_dim;
+        let (kw, vw, types) = (self.k_words, self.v_words, self.types);
         if let Some(s) = self.seqs.get_mut(&seq) {
             match &mut self.store {
                 None => {
-                    f32_to_f16_row(k, &mut s.k[layer][cell * d..(cell + 1) * d]);
-                    f32_to_f16_row(v, &mut s.v[layer][cell * d..(cell + 1) * d]);
+                    store_row(types.k, k, &mut s.k[layer][cell * kw..(cell + 1) * kw]);
+                    store_row(types.v, v, &mut s.v[layer][cell * vw..(cell + 1) * vw]);
                 }
                 Some(st) => st.write(s.slots[cell], layer, k, v),
             }
@@ -312,7 +605,7 @@ impl KvCache {
         if src == dst {
             return Ok(());
         }
-        let d = self.kv_dim;
+        let (kw, vw) = (self.k_words, self.v_words);
         let in_range = |p: u32| p0.is_none_or(|a| p >= a) && p1.is_none_or(|b| p < b);
         let picked: Vec<usize> = match self.seqs.get(&src) {
             Some(s) => (0..s.pos.len()).filter(|&i| in_range(s.pos[i])).collect(),
@@ -331,14 +624,14 @@ impl KvCache {
         let mut copy = SeqCells {
             pos: picked.iter().map(|&i| s.pos[i]).collect(),
             slots: picked.iter().map(|&i| s.slots[i]).collect(),
-            k: vec![Vec::with_capacity(picked.len() * d); self.n_layer],
-            v: vec![Vec::with_capacity(picked.len() * d); self.n_layer],
+            k: vec![Vec::with_capacity(picked.len() * kw); self.n_layer],
+            v: vec![Vec::with_capacity(picked.len() * vw); self.n_layer],
         };
         if host {
             for l in 0..self.n_layer {
                 for &i in &picked {
-                    copy.k[l].extend_from_slice(&s.k[l][i * d..(i + 1) * d]);
-                    copy.v[l].extend_from_slice(&s.v[l][i * d..(i + 1) * d]);
+                    copy.k[l].extend_from_slice(&s.k[l][i * kw..(i + 1) * kw]);
+                    copy.v[l].extend_from_slice(&s.v[l][i * vw..(i + 1) * vw]);
                 }
             }
         }
@@ -375,7 +668,7 @@ impl KvCache {
         delta: i64,
         rotate: &dyn Fn(&mut [f32], i64),
     ) {
-        let d = self.kv_dim;
+        let (d, kw, kty, krot) = (self.kv_dim, self.k_words, self.types.k, self.k_rot());
         let host = self.store.is_none();
         let Some(s) = self.seqs.get_mut(&seq) else {
             return;
@@ -398,14 +691,28 @@ impl KvCache {
                 continue;
             }
             for l in 0..self.n_layer {
-                let k = &mut s.k[l][i * d..(i + 1) * d];
-                for (r, h) in row.iter_mut().zip(k.iter()) {
-                    *r = f16_to_f32(*h);
+                let k = &mut s.k[l][i * kw..(i + 1) * kw];
+                if kty == GgmlType::F16 {
+                    for (r, h) in row.iter_mut().zip(k.iter()) {
+                        *r = f16_to_f32(*h);
+                    }
+                    rotate(&mut row, delta);
+                    for (h, r) in k.iter_mut().zip(row.iter()) {
+                        *h = f32_to_f16(*r);
+                    }
+                    continue;
+                }
+                // llama.cpp's shift of other types: decode to f32, undo the Hadamard
+                // rotation, RoPE, rotate again, encode (`build_rope_shift`)
+                decode_row(kty, words_as_bytes(k), &mut row);
+                if let Some(n) = krot {
+                    fwht(&mut row, n);
                 }
                 rotate(&mut row, delta);
-                for (h, r) in k.iter_mut().zip(row.iter()) {
-                    *h = f32_to_f16(*r);
+                if let Some(n) = krot {
+                    fwht(&mut row, n);
                 }
+                encode_row(kty, &row, words_as_bytes_mut(k));
             }
         }
         if let (Some(st), false) = (&mut self.store, moved.is_empty()) {
@@ -417,12 +724,12 @@ impl KvCache {
     /// Keeps the cells of `seq` whose flag in `keep` is set, preserving their order; the
     /// slots of the others are free again, and a sequence left empty is forgotten.
     fn retain_cells(&mut self, seq: SeqId, keep: &[bool]) {
-        let d = self.kv_dim;
+        let (kw, vw) = (self.k_words, self.v_words);
         let Some(s) = self.seqs.get_mut(&seq) else {
             return;
         };
         if !keep.iter().all(|&k| k) {
-            let filter = |data: &mut Vec<u16>| {
+            let filter = |data: &mut Vec<u16>, d: usize| {
                 if data.is_empty() {
                     return;
                 }
@@ -435,8 +742,8 @@ impl KvCache {
                 *data = out;
             };
             for l in 0..s.k.len() {
-                filter(&mut s.k[l]);
-                filter(&mut s.v[l]);
+                filter(&mut s.k[l], kw);
+                filter(&mut s.v[l], vw);
             }
             let mut slots = Vec::with_capacity(s.slots.len());
             for (i, &slot) in s.slots.iter().enumerate() {
@@ -453,6 +760,15 @@ impl KvCache {
         if s.pos.is_empty() {
             self.seqs.remove(&seq);
         }
+    }
+}
+
+/// Writes one row of `x` encoded as `ty` into its words.
+fn store_row(ty: GgmlType, x: &[f32], out: &mut [u16]) {
+    if ty == GgmlType::F16 {
+        f32_to_f16_row(x, out);
+    } else {
+        encode_row(ty, x, words_as_bytes_mut(out));
     }
 }
 

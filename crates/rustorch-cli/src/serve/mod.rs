@@ -445,6 +445,7 @@ fn load(path: &std::path::Path, args: &LoadArgs) -> anyhow::Result<Ready> {
     let rt = Runtime::new(common::threads(args.threads));
     let sched = Scheduler::start(model.clone(), tokenizer.clone(), rt, config)
         .context("starting the engine thread")?;
+    eprintln!("rustorch: {}", common::kv_cache_line(&model, n_ctx));
     tracing::info!(
         load_ms = loaded.load_time.as_millis() as u64,
         "model loaded"

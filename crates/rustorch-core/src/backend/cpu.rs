@@ -7,12 +7,15 @@ use std::sync::Mutex;
 
 use super::{AttnSpec, Backend, BackendError, Device, Glu, Moe, Rows, WeightRef};
 use crate::kernels::attn::{self, GroupQuery, HeadAttn};
+use crate::kernels::attn_q::{self, KvRows, QuantAttn};
 use crate::kernels::ops::{self, rms_norm, Rope};
 use crate::kernels::{
     attn_long, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, QActs, QMatrix,
     ThreadPool,
 };
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{self, decode_row, words_as_bytes, KvCache, SeqId};
+use crate::quant::f32_to_f16_row;
+use crate::GgmlType;
 
 /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph, for
 /// comparing intermediate tensors with llama.cpp's `llama-eval-callback`.
@@ -370,6 +373,22 @@ impl<'a> Backend for Cpu<'a> {
         out: &mut Vec<f32>,
     ) {
         let kvd = cache.kv_dim();
+        // a quantized cache type turns on llama.cpp's Hadamard rotation of queries and keys
+        // (key type) and of values and the output (value type)
+        let (k_rot, v_rot) = (cache.k_rot(), cache.v_rot());
+        let rotated = |x: &[f32], n: Option<usize>| {
+            n.map(|n| {
+                let mut r = x.to_vec();
+                ops::fwht(&mut r, n);
+                r
+            })
+        };
+        let (qr, kr, vr) = (rotated(q, k_rot), rotated(k, k_rot), rotated(v, v_rot));
+        let (q, k, v) = (
+            qr.as_deref().unwrap_or(q),
+            kr.as_deref().unwrap_or(k),
+            vr.as_deref().unwrap_or(v),
+        );
         for (i, &cell) in cells.iter().enumerate() {
             cache.write(
                 rows.seq_ids[i],
@@ -381,6 +400,9 @@ impl<'a> Backend for Cpu<'a> {
         }
         let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
         attention(self.pool, self.native_f16, spec, rows, cache, q, out);
+        if let Some(n) = v_rot {
+            ops::fwht(out, n);
+        }
     }
 
     fn keep_rows(&mut self, x: &mut Vec<f32>, width: usize, rows: &[usize]) {
@@ -407,14 +429,66 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+/// One sequence's key and value rows of a layer as attention reads them: f16 (f32 caches
+/// rounded to f16, as llama.cpp casts them before its flash attention) or quantized bytes.
+enum Side<'a> {
+    F16(Cow<'a, [u16]>),
+    Quant(GgmlType, &'a [u8]),
+}
+
+impl<'a> Side<'a> {
+    fn of(ty: GgmlType, words: &'a [u16], kvd: usize) -> Side<'a> {
+        match ty {
+            GgmlType::F16 => Side::F16(Cow::Borrowed(words)),
+            GgmlType::F32 => {
+                let mut row = vec![0f32; kvd];
+                let mut h = vec![0u16; words.len() / 2];
+                for (src, dst) in words.chunks_exact(2 * kvd).zip(h.chunks_exact_mut(kvd)) {
+                    decode_row(GgmlType::F32, words_as_bytes(src), &mut row);
+                    f32_to_f16_row(&row, dst);
+                }
+                Side::F16(Cow::Owned(h))
+            }
+            _ => Side::Quant(ty, words_as_bytes(words)),
+        }
+    }
+
+    /// The rows of KV head `kvh` (heads of `hd` values, rows of `kvd`).
+    fn rows(&self, kvd: usize, kvh: usize, hd: usize) -> KvRows<'_> {
+        match self {
+            Side::F16(w) => KvRows::F16 {
+                data: w,
+                stride: kvd,
+                offset: kvh * hd,
+            },
+            Side::Quant(ty, b) => KvRows::Quant {
+                ty: *ty,
+                data: b,
+                stride: kv_cache::row_bytes(*ty, kvd),
+                offset: kv_cache::row_bytes(*ty, kvh * hd),
+            },
+        }
+    }
+}
+
+/// A sequence's rows of one layer.
+struct SeqRows<'a> {
+    seq: SeqId,
+    k: Side<'a>,
+    v: Side<'a>,
+    pos: &'a [u32],
+}
+
 /// Causal grouped-query attention of every (token, head) against the cache cells of the
 /// token's sequence whose position is not after the token's (and, with a sliding window,
 /// not `window` or more before it).
 ///
 /// The arithmetic follows llama.cpp's CPU flash attention, which its command-line tools
-/// use by default: the query is rounded to f16 for the f16 K·Q product, the softmax is
-/// computed online (running max `m`, running sum `s`), and the weighted sum of values is
-/// accumulated in an f16 vector, rescaled whenever a new maximum appears.
+/// use by default: for an f16 cache the query is rounded to f16 for the f16 K·Q product,
+/// the softmax is computed online (running max `m`, running sum `s`), and the weighted sum
+/// of values is accumulated in an f16 vector, rescaled whenever a new maximum appears;
+/// quantized cache types take [`attn_q`] (the query in the key type's vec-dot format,
+/// quantized values accumulated in f32).
 fn attention(
     pool: &ThreadPool,
     native_f16: bool,
@@ -430,9 +504,30 @@ fn attention(
     let n = rows.positions.len();
     let dst = SendPtr(out.as_mut_ptr());
     let isa = isa();
+    let types = cache.types();
+    // the rows of each sequence in the batch, converted where attention reads another type
+    let mut seqs: Vec<SeqRows<'_>> = Vec::new();
+    for &sid in rows.seq_ids {
+        if seqs.iter().any(|s| s.seq == sid) {
+            continue;
+        }
+        if let Some(c) = cache.seq(sid) {
+            seqs.push(SeqRows {
+                seq: sid,
+                k: Side::of(types.k, &c.k[spec.layer], kvd),
+                v: Side::of(types.v, &c.v[spec.layer], kvd),
+                pos: &c.pos,
+            });
+        }
+    }
     let min_pos = |p: u32| match spec.window {
         Some(w) => (p + 1).saturating_sub(w),
         None => 0,
+    };
+    let scale = if spec.softcap != 0.0 {
+        spec.scale / spec.softcap
+    } else {
+        spec.scale
     };
     // Queries of one KV head and a run of tokens of one sequence share a task, so keys and
     // values are converted once for all of them; results do not depend on the grouping.
@@ -465,7 +560,7 @@ fn attention(
             (t0, t1, (task % spec.n_head_kv) * group)
         };
         let kvh = head0 / group;
-        let Some(cells) = cache.seq(rows.seq_ids[t0]) else {
+        let Some(sr) = seqs.iter().find(|s| s.seq == rows.seq_ids[t0]) else {
             for t in t0..t1 {
                 for head in head0..head0 + heads_per_task {
                     // SAFETY: as below.
@@ -475,36 +570,6 @@ fn attention(
             }
             return;
         };
-        let kv = HeadAttn {
-            q: &[],
-            k: &cells.k[spec.layer],
-            v: &cells.v[spec.layer],
-            stride: kvd,
-            offset: kvh * hd,
-            pos: &cells.pos,
-            min_pos: 0,
-            max_pos: 0,
-            scale: if spec.softcap != 0.0 {
-                spec.scale / spec.softcap
-            } else {
-                spec.scale
-            },
-            softcap: spec.softcap,
-            native_f16,
-        };
-        if n == 1 {
-            let o = head0 * hd;
-            // SAFETY: each (token, head) output slice belongs to exactly one task.
-            let out_head = unsafe { std::slice::from_raw_parts_mut(dst.0.add(o), hd) };
-            let mut one = [GroupQuery {
-                q: &q[o..o + hd],
-                min_pos: min_pos(rows.positions[0]),
-                max_pos: rows.positions[0],
-                out: out_head,
-            }];
-            attn::attend_group(isa, &kv, &mut one);
-            return;
-        }
         let mut queries = Vec::with_capacity((t1 - t0) * heads_per_task);
         for t in t0..t1 {
             for head in head0..head0 + heads_per_task {
@@ -519,11 +584,37 @@ fn attention(
                 });
             }
         }
+        let (Side::F16(k16), Side::F16(v16)) = (&sr.k, &sr.v) else {
+            // a quantized type: llama.cpp's one-query-row algorithm at every batch size
+            let kv = QuantAttn {
+                k: sr.k.rows(kvd, kvh, hd),
+                v: sr.v.rows(kvd, kvh, hd),
+                pos: sr.pos,
+                scale,
+                softcap: spec.softcap,
+                native_f16,
+            };
+            attn_q::attend_group(isa, &kv, &mut queries);
+            return;
+        };
+        let kv = HeadAttn {
+            q: &[],
+            k: k16,
+            v: v16,
+            stride: kvd,
+            offset: kvh * hd,
+            pos: sr.pos,
+            min_pos: 0,
+            max_pos: 0,
+            scale,
+            softcap: spec.softcap,
+            native_f16,
+        };
         // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on; we
         // count the rows of this sequence only, so that a request's output does not depend
         // on what else shares the batch (for one sequence this is llama.cpp's rule)
         let seq = rows.seq_ids[t0];
-        if rows.seq_ids.iter().filter(|&&s| s == seq).count() >= 64 {
+        if n > 1 && rows.seq_ids.iter().filter(|&&s| s == seq).count() >= 64 {
             attn_long::attend_group(isa, &kv, &mut queries);
         } else {
             attn::attend_group(isa, &kv, &mut queries);

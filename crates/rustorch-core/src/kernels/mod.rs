@@ -13,6 +13,7 @@
 
 pub mod attn;
 pub mod attn_long;
+pub mod attn_q;
 mod cpu;
 mod dot;
 mod fdot;
@@ -799,7 +800,7 @@ fn matmul_dequant(
 }
 
 #[cfg(target_arch = "x86_64")]
-type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
+pub(crate) type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
 
 #[cfg(target_arch = "x86_64")]
 fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {

@@ -187,3 +187,31 @@ pub fn dot_f32_bytes(a: &[f32], b: &[u8]) -> f32 {
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
+
+/// The orthonormal Walsh–Hadamard rotation of every chunk of `n` values (a power of two) of
+/// `x`, as ggml-cpu computes llama.cpp's `llama_mul_mat_hadamard` (`ggml_compute_forward_fwht`):
+/// each value times `1 / sqrtf(n)`, then the butterflies `(u + v, u − v)` over spans
+/// 1, 2, 4, … (exact operations, so their order within a span does not matter). Applying it
+/// twice gives the input back up to rounding.
+pub fn fwht(x: &mut [f32], n: usize) {
+    if n < 2 {
+        return;
+    }
+    let scale = 1.0f32 / (n as f32).sqrt();
+    for row in x.chunks_exact_mut(n) {
+        for v in row.iter_mut() {
+            *v *= scale;
+        }
+        let mut len = 1;
+        while len < n {
+            for i in (0..n).step_by(2 * len) {
+                for j in i..i + len {
+                    let (u, v) = (row[j], row[j + len]);
+                    row[j] = u + v;
+                    row[j + len] = u - v;
+                }
+            }
+            len *= 2;
+        }
+    }
+}

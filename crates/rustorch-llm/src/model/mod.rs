@@ -21,7 +21,7 @@ use ops::{Io, Step, Workspace};
 use rustorch_cuda::{Cuda, CudaAngles, CudaDevice, CudaKvStore, CudaState, GpuVec, KeyRope};
 
 use crate::batch::Batch;
-use crate::kv_cache::{KvCache, KvCacheError};
+use crate::kv_cache::{KvCache, KvCacheError, KvTypeError, KvTypes};
 
 /// Architectures this engine runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +101,13 @@ impl HParams {
 
     /// Bytes one cache cell takes: K and V of every layer, f16.
     pub fn kv_bytes_per_cell(&self) -> usize {
-        self.n_layer * self.kv_dim() * 2 * 2
+        self.kv_bytes_per_cell_as(KvTypes::default())
+    }
+
+    /// Bytes one cache cell takes with keys and values encoded as `types`.
+    pub fn kv_bytes_per_cell_as(&self, types: KvTypes) -> usize {
+        let row = |t| rustorch_core::kv_cache::row_bytes(t, self.kv_dim());
+        self.n_layer * (row(types.k) + row(types.v))
     }
 
     /// Layer `il`'s attention: scores times `scale`, this architecture's soft-cap, and its
@@ -155,6 +161,17 @@ pub enum ModelError {
     MalformedBatch,
     #[error(transparent)]
     Cache(#[from] KvCacheError),
+    #[error(transparent)]
+    CacheType(#[from] KvTypeError),
+    #[error(
+        "KV cache types K {k}, V {v} are supported on the CPU only; this model runs on \
+         {device}, whose cache is f16 (use --device cpu, or -ctk f16 -ctv f16)"
+    )]
+    CacheTypeOnDevice {
+        k: &'static str,
+        v: &'static str,
+        device: String,
+    },
     #[error(transparent)]
     Quant(#[from] QuantError),
     #[error(transparent)]
@@ -655,6 +672,8 @@ pub struct Model {
     /// RoPE frequency factors on the host (for shifting cached keys).
     rope_freqs: Option<Vec<f32>>,
     placed: Placed,
+    /// How [`Model::new_cache`] encodes keys and values.
+    cache_types: KvTypes,
 }
 
 impl Model {
@@ -705,6 +724,7 @@ impl Model {
             rope_freqs,
             placed,
             gguf,
+            cache_types: KvTypes::default(),
         })
     }
 
@@ -782,13 +802,40 @@ impl Model {
         }
     }
 
+    /// Makes [`Model::new_cache`] encode keys and values as `types` (llama.cpp's
+    /// `--cache-type-k/-v`; f16 by default). Other types than f16 are for the CPU: on a GPU
+    /// they are refused. Also refused: a block type whose block does not divide the head
+    /// size.
+    pub fn set_cache_types(&mut self, types: KvTypes) -> Result<(), ModelError> {
+        types.check(self.hp.head_dim)?;
+        if !types.is_f16() && !matches!(self.placed, Placed::Cpu(_)) {
+            return Err(ModelError::CacheTypeOnDevice {
+                k: types.k.name(),
+                v: types.v.name(),
+                device: self.device_description(),
+            });
+        }
+        self.cache_types = types;
+        Ok(())
+    }
+
+    /// How [`Model::new_cache`] encodes keys and values.
+    pub fn cache_types(&self) -> KvTypes {
+        self.cache_types
+    }
+
     /// A KV cache for this model holding `n_ctx` tokens in total, its rows where the model
     /// runs (host memory, or one pool in the GPU's memory; a pool that cannot be allocated
-    /// makes the first forward call fail with the reason).
+    /// makes the first forward call fail with the reason), encoded as
+    /// [`Model::cache_types`].
     pub fn new_cache(&self, n_ctx: usize) -> KvCache {
         let (n_layer, kv_dim) = (self.hp.n_layer, self.hp.kv_dim());
         match &self.placed {
-            Placed::Cpu(_) => KvCache::new(n_layer, kv_dim, n_ctx),
+            Placed::Cpu(_) => {
+                KvCache::with_types(n_layer, kv_dim, self.hp.head_dim, n_ctx, self.cache_types)
+                    // checked by set_cache_types
+                    .unwrap_or_else(|_| KvCache::new(n_layer, kv_dim, n_ctx))
+            }
             Placed::Cuda(c) => {
                 let rope = KeyRope {
                     rope: self.hp.rope,

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Record llama.cpp reference outputs for the quantized KV cache tests (-ctk / -ctv).
+
+For each model, each pair of cache types and each of 4 prompts this stores llama.cpp's
+prompt tokens, its greedy continuation (32 tokens, stopping early only at an
+end-of-generation token) and, for every step, the top-5 (id, logit) pairs, the
+log-sum-exp of the full logits vector and the SHA-256 of the full logits vector as
+little-endian f32 (so the test can check every step bit for bit without storing the
+vectors). Output: tests/fixtures/kv_quant/<model>-<type_k>-<type_v>.json.
+
+Settings are those of scripts/record_parity_fixtures.py (n_ctx 512, n_batch 512, logits
+for every prompt token, 2 threads, flash attention on: llama.cpp needs it for a quantized
+V cache) with the cache types set through the context parameters `type_k` / `type_v`.
+llama.cpp then also applies its Hadamard rotation to queries/keys (quantized K) and
+values/output (quantized V); LLAMA_ATTN_ROT_DISABLE must not be set.
+
+llama.cpp is used through the llama-cpp-python 0.3.36 bindings of the same sdist whose
+vendored llama.cpp is built with cmake (shared libraries), as scripts/build-llama-cpp.sh
+does:
+
+    LLAMA_CPP_LIB_PATH=$HOME/.cache/rustorch/lcpp-build/bin \\
+    PYTHONPATH=$HOME/.cache/rustorch/llama_cpp_python-0.3.36 \\
+    python3 scripts/record_kv_quant_fixtures.py [MODEL_KEY ...]
+"""
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "tests", "fixtures", "kv_quant")
+
+MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen05": "qwen2.5-coder-0.5b-instruct-q4km.gguf",
+}
+
+TYPES = {
+    "f32": llama_cpp.GGML_TYPE_F32,
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+    "q4_1": llama_cpp.GGML_TYPE_Q4_1,
+    "q5_0": llama_cpp.GGML_TYPE_Q5_0,
+    "q5_1": llama_cpp.GGML_TYPE_Q5_1,
+    "iq4_nl": llama_cpp.GGML_TYPE_IQ4_NL,
+}
+
+# (type_k, type_v) per model: the two the issue asks for on both models, and on SmolLM2 the
+# other types and mixed pairs (Q8_1 queries, f16 keys with quantized values and the
+# reverse, f32 cast to f16)
+PAIRS = {
+    "smollm2": [
+        ("q8_0", "q8_0"),
+        ("q4_0", "q4_0"),
+        ("q4_1", "q5_1"),
+        ("q5_0", "iq4_nl"),
+        ("f16", "q8_0"),
+        ("q4_0", "f16"),
+        ("f32", "f32"),
+    ],
+    "qwen05": [("q8_0", "q8_0"), ("q4_0", "q4_0")],
+}
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    # long enough (more than 64 tokens) that the prompt batch would take llama.cpp's tiled
+    # flash attention with an f16 cache; quantized types never do
+    "Once upon a time, in a small village nestled between two mountains, there lived an old "
+    "clockmaker who repaired every clock in the valley. One winter morning, a stranger arrived "
+    "carrying a broken pocket watch that had stopped at midnight, and asked the clockmaker to "
+    "make it run again before the first snow of the season fell on the village square, because",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+N_PREDICT = 32
+TOP = 5
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def top_k(logits, k):
+    idx = np.argsort(-logits, kind="stable")[:k]
+    return [[int(i), float(logits[i])] for i in idx]
+
+
+def lse(logits):
+    m = float(np.max(logits))
+    return m + float(np.log(np.sum(np.exp(logits.astype(np.float64) - m))))
+
+
+def record(key, fname, tk, tv):
+    path = os.path.join(ROOT, "models", fname)
+    llm = Llama(
+        model_path=path,
+        n_ctx=512,
+        n_batch=512,
+        n_threads=2,
+        logits_all=True,
+        flash_attn=True,
+        type_k=TYPES[tk],
+        type_v=TYPES[tv],
+        verbose=False,
+    )
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    cases = []
+    for ci, prompt in enumerate(PROMPTS):
+        llm.reset()
+        tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        llm.eval(tokens)
+        steps, cont = [], []
+        for step in range(N_PREDICT):
+            logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            steps.append(
+                {
+                    "top": top_k(logits, TOP),
+                    "lse": lse(logits),
+                    "sha256": hashlib.sha256(logits.astype("<f4").tobytes()).hexdigest(),
+                }
+            )
+            tok = int(np.argmax(logits))
+            cont.append(tok)
+            if llama_cpp.llama_vocab_is_eog(vocab, tok):
+                break
+            llm.eval([tok])
+        cases.append({"prompt": prompt, "tokens": list(map(int, tokens)), "continuation": cont, "steps": steps})
+        print(f"{key} K {tk} V {tv} case {ci}: {len(tokens)} prompt tokens, {len(cont)} generated", file=sys.stderr)
+    doc = {
+        "model": fname,
+        "sha256": sha256_file(path),
+        "n_vocab": llm.n_vocab(),
+        "type_k": tk,
+        "type_v": tv,
+        "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, n_ctx 512, n_batch 512, n_threads 2",
+        # llama.cpp is built for this CPU (-march=native): with AVX512-FP16 its f16 attention
+        # accumulator is native f16, without it f32 (see tests/parity.rs)
+        "avx512fp16": "avx512_fp16" in open("/proc/cpuinfo").read().split(),
+        "cases": cases,
+    }
+    with open(os.path.join(OUT, f"{key}-{tk}-{tv}.json"), "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    del llm
+
+
+def main():
+    if os.environ.get("LLAMA_ATTN_ROT_DISABLE"):
+        sys.exit("unset LLAMA_ATTN_ROT_DISABLE: the fixtures record llama.cpp's default rotation")
+    os.makedirs(OUT, exist_ok=True)
+    keys = sys.argv[1:] or list(MODELS)
+    for k in keys:
+        for tk, tv in PAIRS[k]:
+            record(k, MODELS[k], tk, tv)
+
+
+if __name__ == "__main__":
+    main()
