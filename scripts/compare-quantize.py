@@ -3,6 +3,7 @@
 
     scripts/compare-quantize.py MODEL TYPE [TYPE ...] [--threads N] [--out DIR] [--reuse]
                                 [--all] [--record FILE] [--extra ARG ...]
+                                [--imatrix TEXT [--imatrix-args "ARGS"] [--record-imatrix DIR]]
 
 For each llama.cpp file type (Q4_K_M, Q6_K, IQ4_XS, ...) both tools run with
 `--allow-requantize MODEL OUT TYPE THREADS`; then the two GGUF files are compared tensor by
@@ -15,16 +16,32 @@ and a summary table; exit status 1 if anything differs.
 output's tensor list (name, type, shape, SHA-256 of the data) as JSON, the fixture format of
 crates/rustorch-cli/tests/quantize_cli.rs (only with one TYPE).
 
+--imatrix TEXT: importance-matrix quantization. First each tool computes an importance matrix of
+MODEL over TEXT (llama-imatrix and `rustorch imatrix`, both with `-m MODEL -f TEXT -o
+imatrix.gguf -t THREADS` and --imatrix-args, default "-c 128 -ub 32 --chunks 8"), each in its own
+directory DIR/llama and DIR/rustorch with a copy of TEXT, so that both files name the same text
+(its file name) and both quantized models the same imatrix file; the two matrices are compared entry by entry (counts, and the sums:
+how many values differ, largest and median relative difference) and their perplexity lines. Then
+for each TYPE llama-quantize quantizes with llama-imatrix's matrix and rustorch with its own, and
+the outputs are compared as above. --reuse also keeps llama-imatrix's matrix.
+--record-imatrix DIR (with --imatrix) copies llama-imatrix's matrix and text there and writes
+DIR/<model>.json: the commands, llama-imatrix's perplexity output, and per TYPE llama-quantize's
+file SHA-256 and tensor list (the fixture of crates/rustorch-cli/tests/imatrix_cli.rs).
+
 Binaries: $LLAMA_QUANTIZE (default ~/.cache/rustorch/lcpp-build/bin/llama-quantize, built by
-scripts/build-llama-cpp.sh) and $RUSTORCH (default target/release/rustorch).
+scripts/build-llama-cpp.sh), $LLAMA_IMATRIX (default the llama-imatrix beside it) and $RUSTORCH
+(default target/release/rustorch).
 No dependencies beyond the Python standard library.
 """
 
 import argparse
+import array
 import hashlib
 import json
 import mmap
 import os
+import shlex
+import shutil
 import struct
 import subprocess
 import sys
@@ -130,14 +147,101 @@ class Gguf:
         return None
 
 
-def run(cmd, log):
+def run(cmd, log, cwd=None, stdout=None):
+    """Runs cmd with its output in log (stdout alone in the file `stdout` when given)."""
     t0 = time.time()
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        if stdout is None:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+        else:
+            with open(stdout, "w") as o:
+                r = subprocess.run(cmd, stdout=o, stderr=f, cwd=cwd)
     dt = time.time() - t0
     if r.returncode != 0:
         sys.exit(f"failed ({r.returncode}): {' '.join(map(str, cmd))}\n  see {log}")
     return dt
+
+
+def ppl_lines(path):
+    """The perplexity lines of an imatrix run's stdout ([1]...,[2]..., Final estimate)."""
+    lines = Path(path).read_text().splitlines()
+    return [l.strip() for l in lines if l.startswith("[") or l.startswith("Final estimate")]
+
+
+def compare_imatrix(ref, ours):
+    """Entry-by-entry comparison of two GGUF imatrix files; returns a summary dict."""
+    def values(g):
+        out = {}
+        for t in g.tensors:
+            a = array.array("f")
+            a.frombytes(bytes(g.data(t)))
+            out[t["name"]] = a
+        return out
+    rv, ov = values(ref), values(ours)
+    s = {"entries": sum(n.endswith(".in_sum2") for n in rv), "same_names": set(rv) == set(ov),
+         "counts": True, "values": 0, "differ": 0, "max_rel": 0.0, "worst": "", "rels": []}
+    for name in sorted(set(rv) & set(ov)):
+        a, b = rv[name], ov[name]
+        if name.endswith(".counts"):
+            s["counts"] &= list(a) == list(b)
+            continue
+        if len(a) != len(b):
+            s["differ"] += max(len(a), len(b))
+            continue
+        for x, y in zip(a, b):
+            s["values"] += 1
+            if x != y:
+                s["differ"] += 1
+                r = abs(x - y) / max(abs(x), 1e-30)
+                s["rels"].append(r)
+                if r > s["max_rel"]:
+                    s["max_rel"], s["worst"] = r, name
+    rels = sorted(s.pop("rels"))
+    s["median_rel"] = rels[len(rels) // 2] if rels else 0.0
+    s["kv"] = ref.kv == ours.kv
+    s["file"] = len(ref.buf) == len(ours.buf) and ref.buf[:] == ours.buf[:]
+    return s
+
+
+def imatrix_step(a, out, lq):
+    """Computes both importance matrices; returns (llama dir, rustorch dir, summary)."""
+    li = os.environ.get("LLAMA_IMATRIX", str(Path(lq).with_name("llama-imatrix")))
+    rt = os.environ.get("RUSTORCH", str(ROOT / "target/release/rustorch"))
+    text = Path(a.imatrix).name
+    model = str(Path(a.model).resolve())
+    extra = shlex.split(a.imatrix_args)
+    dirs = {"llama": out / "llama", "rustorch": out / "rustorch"}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+        # the text beside each matrix, named as the matrix records it (its file name)
+        shutil.copy(a.imatrix, d / text)
+    common = ["-m", model, "-f", text, "-o", "imatrix.gguf", "-t", str(a.threads), *extra]
+    times = {}
+    if a.reuse and (dirs["llama"] / "imatrix.gguf").is_file():
+        times["llama"] = float("nan")
+    else:
+        times["llama"] = run([li, *common], dirs["llama"] / "imatrix.log", cwd=dirs["llama"],
+                             stdout=dirs["llama"] / "imatrix.out")
+    times["rustorch"] = run([rt, "imatrix", *common], dirs["rustorch"] / "imatrix.log",
+                            cwd=dirs["rustorch"], stdout=dirs["rustorch"] / "imatrix.out")
+    ref = Gguf(dirs["llama"] / "imatrix.gguf")
+    ours = Gguf(dirs["rustorch"] / "imatrix.gguf")
+    s = compare_imatrix(ref, ours)
+    s["ppl_ref"] = ppl_lines(dirs["llama"] / "imatrix.out")
+    s["ppl_our"] = ppl_lines(dirs["rustorch"] / "imatrix.out")
+    s["t_ref"], s["t_our"] = times["llama"], times["rustorch"]
+    print(f"== imatrix of {Path(a.model).name} over {Path(a.imatrix).name} ({a.imatrix_args}): "
+          f"{s['entries']} entries, {s['values']} values")
+    print(f"  names {'same' if s['same_names'] else 'DIFF'}, counts {'same' if s['counts'] else 'DIFF'}, "
+          f"metadata {'same' if s['kv'] else 'DIFF'}, values differing {s['differ']}, "
+          f"max rel {s['max_rel']:.3e} {s['worst']}, median rel (of differing) {s['median_rel']:.3e}, "
+          f"file {'identical' if s['file'] else 'DIFFERENT'}")
+    same_ppl = s["ppl_ref"] == s["ppl_our"]
+    print(f"  perplexity output {'same' if same_ppl else 'DIFFERENT'}")
+    if not same_ppl:
+        print(f"    llama-imatrix: {s['ppl_ref']}\n    rustorch:      {s['ppl_our']}")
+    print(f"  time: llama-imatrix {times['llama']:.1f} s, rustorch imatrix {times['rustorch']:.1f} s")
+    return dirs, s
 
 
 def shape(dims):
@@ -188,6 +292,47 @@ def compare(ref, ours, show_all):
     return s
 
 
+def tensor_list(g):
+    return [{"name": t["name"], "type": GGML_TYPES[t["type"]], "shape": t["dims"],
+             "sha256": hashlib.sha256(g.data(t)).hexdigest()} for t in g.tensors]
+
+
+def record_imatrix(a, dirs, files):
+    """Writes the imatrix fixture (see --record-imatrix)."""
+    rec = Path(a.record_imatrix)
+    rec.mkdir(parents=True, exist_ok=True)
+    stem = Path(a.model).name.removesuffix(".gguf")
+    shutil.copy(dirs["llama"] / "imatrix.gguf", rec / f"{stem}.imatrix.gguf")
+    if not (rec / Path(a.imatrix).name).exists() or not (rec / Path(a.imatrix).name).samefile(a.imatrix):
+        shutil.copy(a.imatrix, rec / Path(a.imatrix).name)
+    doc = {
+        "source": "llama-imatrix and llama-quantize (llama.cpp 0.3.36), recorded by "
+                  "scripts/compare-quantize.py --record-imatrix",
+        "model": Path(a.model).name,
+        "text": Path(a.imatrix).name,
+        "imatrix_args": a.imatrix_args,
+        "imatrix_sha256": hashlib.sha256((dirs["llama"] / "imatrix.gguf").read_bytes()).hexdigest(),
+        "ppl": ppl_lines(dirs["llama"] / "imatrix.out"),
+        "quantized": {},
+    }
+    for ty, g in files:
+        doc["quantized"][ty] = {
+            "file_size": len(g.buf),
+            "file_sha256": hashlib.sha256(g.buf[:]).hexdigest(),
+            "tensors": [[t["name"], t["type"], t["sha256"][:16]] for t in tensor_list(g)],
+        }
+    head = json.dumps({k: v for k, v in doc.items() if k != "quantized"}, indent=1)[:-2]
+    parts = []
+    for ty, q in doc["quantized"].items():
+        rows = ",\n".join("    " + json.dumps(t) for t in q["tensors"])
+        parts.append(f'  "{ty}": {{"file_size": {q["file_size"]}, "file_sha256": "{q["file_sha256"]}", '
+                     f'"tensors": [\n{rows}\n  ]}}')
+    path = rec / f"{stem}.json"
+    path.write_text(f'{head},\n "quantized": {{\n' + ",\n".join(parts) + "\n }\n}\n")
+    json.loads(path.read_text())
+    print(f"recorded {path} and {rec / (stem + '.imatrix.gguf')}")
+
+
 def record(ref, path, model, ftype):
     out = {
         "source": "llama-quantize (llama.cpp 0.3.36) --allow-requantize, recorded by scripts/compare-quantize.py",
@@ -221,6 +366,12 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the rustorch outputs")
     ap.add_argument("--extra", action="append", default=[],
                     help="an extra flag for both tools (e.g. --extra=--pure)")
+    ap.add_argument("--imatrix", metavar="TEXT",
+                    help="compute an importance matrix over TEXT with each tool and quantize with it")
+    ap.add_argument("--imatrix-args", default="-c 128 -ub 32 --chunks 8",
+                    help="flags for both imatrix tools (default: %(default)s)")
+    ap.add_argument("--record-imatrix", metavar="DIR",
+                    help="record llama.cpp's imatrix and quantized tensor lists as a fixture")
     a = ap.parse_args()
 
     lq = os.environ.get("LLAMA_QUANTIZE", str(Path.home() / ".cache/rustorch/lcpp-build/bin/llama-quantize"))
@@ -230,16 +381,33 @@ def main():
     stem = Path(a.model).name.removesuffix(".gguf")
     tag = "".join(a.extra).replace("-", "")
     summary = []
+    im = None
+    if a.imatrix:
+        dirs, im = imatrix_step(a, out, lq)
+        tag += ".imatrix"
+    recorded = []
     for ty in a.types:
         ref_path = out / f"{stem}.{ty}{tag}.llama-quantize.gguf"
         our_path = out / f"{stem}.{ty}{tag}.rustorch.gguf"
-        args = ["--allow-requantize", *a.extra, a.model]
+        model = str(Path(a.model).resolve())
+        args = ["--allow-requantize", *a.extra]
+        # with an imatrix each tool runs in its own directory, naming "imatrix.gguf" there
+        cwd = {"llama": None, "rustorch": None}
+        if a.imatrix:
+            args += ["--imatrix", "imatrix.gguf"]
+            cwd = {k: str(d) for k, d in dirs.items()}
+            ref_path, our_path = ref_path.resolve(), our_path.resolve()
+        args.append(model)
         if a.reuse and ref_path.is_file():
             t_ref = float("nan")
         else:
-            t_ref = run([lq, *args, ref_path, ty, str(a.threads)], out / f"{ref_path.name}.log")
-        t_our = run([rt, "quantize", *args, our_path, ty, str(a.threads)], out / f"{our_path.name}.log")
+            t_ref = run([lq, *args, ref_path, ty, str(a.threads)], out / f"{ref_path.name}.log",
+                        cwd=cwd["llama"])
+        t_our = run([rt, "quantize", *args, our_path, ty, str(a.threads)], out / f"{our_path.name}.log",
+                    cwd=cwd["rustorch"])
         ref, ours = Gguf(ref_path), Gguf(our_path)
+        if a.record_imatrix:
+            recorded.append((ty, ref))
         print(f"== {stem} -> {ty}: {len(ref.tensors)} tensors")
         s = compare(ref, ours, a.all)
         s.update(type=ty, t_ref=t_ref, t_our=t_our, size=len(ref.buf))
@@ -248,11 +416,18 @@ def main():
             record(ref, a.record, Path(a.model).name, ty)
         if not a.keep:
             our_path.unlink()
+    if a.record_imatrix:
+        record_imatrix(a, dirs, recorded)
 
     print()
     print(f"{'model':<40} {'ftype':<8} {'tensors':>7} {'types =':>8} {'bytes =':>8} {'order':>6} "
           f"{'metadata':>8} {'file =':>7} {'MiB':>8} {'llama-q s':>9} {'rustorch s':>10}")
     ok = True
+    if im is not None:
+        ok &= im["file"] and im["ppl_ref"] == im["ppl_our"]
+        print(f"{'imatrix':<40} {'':<8} {im['entries']:>7} {'':>8} {im['values'] - im['differ']:>8} "
+              f"{'same' if im['same_names'] else 'DIFF':>6} {'same' if im['kv'] else 'DIFF':>8} "
+              f"{'yes' if im['file'] else 'NO':>7} {'':>8} {im['t_ref']:>9.1f} {im['t_our']:>10.1f}")
     for s in summary:
         good = s["file"]
         ok &= good

@@ -543,6 +543,8 @@ pub fn expand_llama_aliases(args: impl Iterator<Item = String>) -> Vec<String> {
             "-ngl" => "--n-gpu-layers",
             "-ctk" => "--cache-type-k",
             "-ctv" => "--cache-type-v",
+            "-ub" => "--ubatch-size",
+            "-ofreq" => "--output-frequency",
             _ => return a,
         }
         .to_string()

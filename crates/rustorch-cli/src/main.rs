@@ -42,6 +42,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Convert a GGUF model to another tensor format
     Quantize(quantize::Args),
+    /// Compute an importance matrix over a text, like llama-imatrix
+    Imatrix(imatrix::Args),
     /// Tokenize text with a model's vocabulary
     Tokenize(tokenize::Args),
     /// Print a GGUF file's metadata, tensors and architecture summary
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Quantize(a) => quantize::run(a),
+        Command::Imatrix(a) => imatrix::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Diff(a) => diff::run(a),

@@ -21,6 +21,26 @@ use crate::GgmlType;
 /// comparing intermediate tensors with llama.cpp's `llama-eval-callback`.
 pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
 
+/// Sees the input of every weight product as llama.cpp's `llama-imatrix` callback sees
+/// `src1` of each `MUL_MAT` / `MUL_MAT_ID`: the f32 activations, before a product quantizes
+/// them. Products of one input (Q/K/V, gate/up) report it once per weight.
+pub trait ProductObserver: Send + Sync {
+    /// One product: rows of `w.n_cols` values multiplied by `w`.
+    fn product(&self, w: &WeightRef, x: &[f32]);
+    /// A mixture-of-experts product: `experts[e]` is expert `e`'s matrix, batch row `t`
+    /// goes to experts `ids[t*k .. t*k + k]` in the router's order, and `x` holds a row per
+    /// batch row given to each of its experts (`per_slot = false`: gate/up) or a row per
+    /// (batch row, slot) (`per_slot = true`: down).
+    fn expert_product(
+        &self,
+        experts: &[WeightRef],
+        ids: &[usize],
+        k: usize,
+        x: &[f32],
+        per_slot: bool,
+    );
+}
+
 /// Weights of the CPU backend are views of the mapped file; nothing is copied.
 #[derive(Default)]
 pub struct CpuDevice {
@@ -48,6 +68,7 @@ pub struct Cpu<'a> {
     /// Dequantize and multiply in f32 instead of llama.cpp's quantized dot products.
     reference: bool,
     hook: Option<&'a TensorHook>,
+    observer: Option<&'a dyn ProductObserver>,
     dev: &'a CpuDevice,
     qa: Vec<QActs>,
     /// The layer of the last hooked tensor (names the tensors hooked inside fused ops).
@@ -77,6 +98,7 @@ impl<'a> Cpu<'a> {
             pool,
             reference,
             hook,
+            observer: None,
             dev,
             qa,
             layer: 0,
@@ -89,6 +111,18 @@ impl<'a> Cpu<'a> {
     pub fn with_native_f16(mut self, native: bool) -> Self {
         self.native_f16 = native;
         self
+    }
+
+    /// Reports every product's input to `observer` (`rustorch imatrix`).
+    pub fn with_observer(mut self, observer: &'a dyn ProductObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    fn observe(&self, w: &WeightRef, x: &[f32]) {
+        if let Some(o) = self.observer {
+            o.product(w, x);
+        }
     }
 
     fn view(&self, w: &WeightRef) -> QMatrix<'a> {
@@ -180,6 +214,7 @@ impl<'a> Backend for Cpu<'a> {
         x: &Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
+        self.observe(w, x);
         self.mm(w, x, out)
     }
 
@@ -189,6 +224,9 @@ impl<'a> Backend for Cpu<'a> {
         x: &Vec<f32>,
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), BackendError> {
+        for w in ws {
+            self.observe(w, x);
+        }
         if self.reference {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.mm(w, x, out)?;
@@ -216,6 +254,8 @@ impl<'a> Backend for Cpu<'a> {
         up: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let n_ff = wg.n_rows;
+        self.observe(wg, x);
+        self.observe(wu, x);
         if act == Glu::Silu && !self.reference && self.hook.is_none() {
             // one parallel job for gate, up and SwiGLU (same results as the steps below)
             let n = x.len() / wg.n_cols * n_ff;
@@ -255,6 +295,7 @@ impl<'a> Backend for Cpu<'a> {
         let k = moe.n_used;
         // router probabilities, then each row's experts and weights
         let mut probs = Vec::new();
+        self.observe(moe.router, x);
         self.mm(moe.router, x, &mut probs)?;
         let mut picked = vec![0usize; n * k];
         let mut weights = vec![0f32; n * k];
@@ -275,6 +316,15 @@ impl<'a> Backend for Cpu<'a> {
                 }
             }
         }
+        if let Some(o) = self.observer {
+            o.expert_product(moe.gate, &picked, k, x, false);
+            o.expert_product(moe.up, &picked, k, x, false);
+        }
+        // the down products' inputs, one row per (token, slot), for the observer
+        let mut down_in = Vec::new();
+        if self.observer.is_some() {
+            down_in = vec![0f32; n * k * moe.down.first().map_or(0, |d| d.n_cols)];
+        }
         // each expert over the rows routed to it, one row at a time: llama.cpp's
         // mul_mat_id takes the single-row kernels for these formats
         let mut slots: Vec<Vec<f32>> = vec![Vec::new(); n * k];
@@ -285,10 +335,16 @@ impl<'a> Backend for Cpu<'a> {
                 self.mm(&moe.gate[ex], xr, &mut g)?;
                 self.mm(&moe.up[ex], xr, &mut u)?;
                 gexp::swiglu(isa(), &mut g, &u, moe.gate[ex].n_rows);
+                if !down_in.is_empty() {
+                    down_in[i * g.len()..(i + 1) * g.len()].copy_from_slice(&g);
+                }
                 self.mm(&moe.down[ex], &g, &mut d)?;
                 let wt = weights[i];
                 slots[i] = d.iter().map(|&v| v * wt).collect();
             }
+        }
+        if let Some(o) = self.observer {
+            o.expert_product(moe.down, &picked, k, &down_in, true);
         }
         let out = resized(out, n * e);
         for t in 0..n {

@@ -8,8 +8,8 @@ mod phi3;
 
 use std::sync::{Arc, Mutex};
 
-pub use rustorch_core::backend::cpu::TensorHook;
 use rustorch_core::backend::cpu::{Cpu, CpuAngles, CpuDevice};
+pub use rustorch_core::backend::cpu::{ProductObserver, TensorHook};
 use rustorch_core::backend::{AttnSpec, BackendError, Device, Rows, WeightRef};
 use rustorch_core::gguf::{GgufError, GgufFile, TensorInfo};
 use rustorch_core::kernels::ops::{Rope, RopeMode};
@@ -559,6 +559,8 @@ pub struct Runtime {
     /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph,
     /// for comparing intermediate tensors with llama.cpp's `llama-eval-callback`.
     pub tensor_hook: Option<TensorHook>,
+    /// Sees every weight product's f32 input (`rustorch imatrix`); CPU only.
+    pub product_observer: Option<Arc<dyn ProductObserver>>,
     /// Reproduce a llama.cpp build with (`Some(true)`) or without (`Some(false)`)
     /// AVX512-FP16 in attention's f16 accumulator; `None` follows this CPU (tests compare
     /// with fixtures recorded on either kind of machine).
@@ -581,6 +583,7 @@ impl Runtime {
             reference: false,
             dump_layers: false,
             tensor_hook: None,
+            product_observer: None,
             native_f16: None,
             fault: None,
         }
@@ -922,7 +925,13 @@ impl Model {
                 if let Some(native) = rt.native_f16 {
                     be = be.with_native_f16(native);
                 }
+                if let Some(o) = rt.product_observer.as_deref() {
+                    be = be.with_observer(o);
+                }
                 c.with_workspace(|w| c.graph.forward(Step { be: &mut be, w, io }))
+            }
+            Placed::Cuda(_) if rt.product_observer.is_some() => {
+                Err(BackendError::Device("product observers run on the CPU only".into()).into())
             }
             Placed::Cuda(c) => {
                 // one call at a time on the GPU (its stream may be capturing a graph)
