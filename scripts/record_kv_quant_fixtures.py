@@ -6,7 +6,9 @@ prompt tokens, its greedy continuation (32 tokens, stopping early only at an
 end-of-generation token) and, for every step, the top-5 (id, logit) pairs, the
 log-sum-exp of the full logits vector and the SHA-256 of the full logits vector as
 little-endian f32 (so the test can check every step bit for bit without storing the
-vectors). Output: tests/fixtures/kv_quant/<model>-<type_k>-<type_v>.json.
+vectors). Output: tests/fixtures/kv_quant/<model>-<type_k>-<type_v>.json. It also records
+a shift of cached keys (a prompt, its cells from a position on moved by a delta, then greedy
+decoding) per pair in SHIFTS: <model>-<type_k>-<type_v>-shift.json.
 
 Settings are those of scripts/record_parity_fixtures.py (n_ctx 512, n_batch 512, logits
 for every prompt token, 2 threads, flash attention on: llama.cpp needs it for a quantized
@@ -153,6 +155,86 @@ def record(key, fname, tk, tv):
     del llm
 
 
+# key shifts: (model, type_k, type_v); f16 is the control
+SHIFTS = [
+    ("smollm2", "f16", "f16"),
+    ("smollm2", "q8_0", "q8_0"),
+    ("smollm2", "q4_0", "q4_0"),
+    ("qwen05", "q8_0", "q8_0"),
+]
+# under 64 tokens, so that the f16 control's prompt batch is not llama.cpp's tiled algorithm
+SHIFT_PROMPT = (
+    "Once upon a time, in a small village nestled between two mountains, there lived an old "
+    "clockmaker who repaired every clock in the valley. One winter morning,"
+)
+SHIFT_FROM = 4
+SHIFT_DELTA = 16
+SHIFT_STEPS = 16
+
+
+def record_shift(key, fname, tk, tv):
+    """Cached keys moved to other positions: the prompt evaluated, then the cells from
+    position FROM on moved by DELTA (llama_memory_seq_add, whose keys llama.cpp re-rotates
+    at the next decode: for a quantized type decoded, un-rotated, RoPE'd, rotated and
+    encoded again), then greedy decoding after them. (A shift that first removes cells, as
+    llama-cli's context shift does, lets llama.cpp put the next tokens into the freed cells,
+    before the moved ones; attention then visits cells in another order than ours and the
+    results differ by rounding, f16 caches too. Moving cells without removing any keeps
+    the order, so this checks the re-rotation itself.)"""
+    path = os.path.join(ROOT, "models", fname)
+    llm = Llama(
+        model_path=path,
+        n_ctx=512,
+        n_batch=512,
+        n_threads=2,
+        logits_all=True,
+        flash_attn=True,
+        type_k=TYPES[tk],
+        type_v=TYPES[tv],
+        verbose=False,
+    )
+    tokens = llm.tokenize(SHIFT_PROMPT.encode("utf-8"), add_bos=True, special=True)
+    llm.eval(tokens)
+    first = int(np.argmax(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)))
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    llama_cpp.llama_memory_seq_add(mem, 0, SHIFT_FROM, -1, SHIFT_DELTA)
+    # Llama.eval places the next token at n_tokens (and removes cells from there on)
+    llm.n_tokens = len(tokens) + SHIFT_DELTA
+    steps, cont, tok = [], [first], first
+    for _ in range(SHIFT_STEPS):
+        llm.eval([tok])
+        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        steps.append(
+            {
+                "top": top_k(logits, TOP),
+                "lse": lse(logits),
+                "sha256": hashlib.sha256(logits.astype("<f4").tobytes()).hexdigest(),
+            }
+        )
+        tok = int(np.argmax(logits))
+        cont.append(tok)
+    doc = {
+        "model": fname,
+        "sha256": sha256_file(path),
+        "n_vocab": llm.n_vocab(),
+        "type_k": tk,
+        "type_v": tv,
+        "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, n_ctx 512, n_batch 512, n_threads 2",
+        "avx512fp16": "avx512_fp16" in open("/proc/cpuinfo").read().split(),
+        "tokens": list(map(int, tokens)),
+        "from": SHIFT_FROM,
+        "delta": SHIFT_DELTA,
+        # continuation[0] follows the prompt (computed before the shift); steps[i] are the
+        # logits after feeding continuation[i] at position len(tokens) + delta + i
+        "continuation": cont,
+        "steps": steps,
+    }
+    with open(os.path.join(OUT, f"{key}-{tk}-{tv}-shift.json"), "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    print(f"{key} K {tk} V {tv} shift: {len(tokens)} prompt tokens, {len(cont)} generated", file=sys.stderr)
+    del llm
+
+
 def main():
     if os.environ.get("LLAMA_ATTN_ROT_DISABLE"):
         sys.exit("unset LLAMA_ATTN_ROT_DISABLE: the fixtures record llama.cpp's default rotation")
@@ -161,6 +243,9 @@ def main():
     for k in keys:
         for tk, tv in PAIRS[k]:
             record(k, MODELS[k], tk, tv)
+    for k, tk, tv in SHIFTS:
+        if k in keys:
+            record_shift(k, MODELS[k], tk, tv)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,74 @@ fn smollm2_f32() {
         assert_eq!(o.shas, f16.shas, "f32 and f16 caches differ");
     }
 }
+
+/// Cached keys moved to other positions, against llama.cpp: the prompt, then its cells from
+/// position `from` on moved by `delta` (their keys re-rotated: for a quantized type decoded,
+/// un-rotated, RoPE'd, rotated and encoded again, as llama.cpp's `build_rope_shift`), then
+/// greedy decoding after them. Returns the steps whose logits differ from llama.cpp's and
+/// whether greedy diverged. (llama-cli's context shift also removes cells first; llama.cpp
+/// then puts the next tokens into the freed cells, before the moved ones, and attends in that
+/// order, so there results agree to rounding only, for f16 caches too.)
+fn run_shift(name: &str, threads: usize) -> Option<(Vec<usize>, bool)> {
+    let path = root().join(format!("tests/fixtures/kv_quant/{name}.json"));
+    let doc: Value = serde_json::from_slice(&fs::read(&path).expect("fixture")).expect("json");
+    let mut model = load_model(doc["model"].as_str().expect("model"))?;
+    let types = KvTypes {
+        k: parse_kv_type(doc["type_k"].as_str().expect("type_k")).expect("type"),
+        v: parse_kv_type(doc["type_v"].as_str().expect("type_v")).expect("type"),
+    };
+    model.set_cache_types(types).expect("cache types");
+    let nv = model.hparams().n_vocab;
+    let mut rt = Runtime::new(threads);
+    rt.native_f16 = doc["avx512fp16"].as_bool();
+    let tokens = ids(&doc["tokens"]);
+    let cont = ids(&doc["continuation"]);
+    let from = doc["from"].as_u64().expect("from") as u32;
+    let delta = doc["delta"].as_i64().expect("delta");
+    let mut cache = model.new_cache(512);
+    let out = model
+        .forward(&Batch::from_prompt(&tokens, 0, 0, true), &mut cache, &rt)
+        .expect("prompt");
+    let mut diverged = argmax(out.last(nv).expect("logits")) as u32 != cont[0];
+    cache.seq_add(0, from, None, delta, &|row, d| model.rotate_keys(row, d));
+    let mut inexact = Vec::new();
+    for (s, step) in doc["steps"].as_array().expect("steps").iter().enumerate() {
+        let mut b = Batch::new();
+        b.push(
+            cont[s],
+            (tokens.len() as i64 + delta) as u32 + s as u32,
+            0,
+            true,
+        );
+        let out = model.forward(&b, &mut cache, &rt).expect("decode");
+        let ours = out.last(nv).expect("logits");
+        if sha_hex(ours) != step["sha256"].as_str().expect("sha256") {
+            inexact.push(s);
+        }
+        diverged |= argmax(ours) as u32 != cont[s + 1];
+    }
+    eprintln!("{name} ({threads} threads): inexact steps {inexact:?}, greedy diverged {diverged}");
+    Some((inexact, diverged))
+}
+
+/// Every step after the shift bit for bit, for quantized caches and the f16 control.
+#[test]
+fn key_shift() {
+    for name in [
+        "smollm2-f16-f16-shift",
+        "smollm2-q8_0-q8_0-shift",
+        "smollm2-q4_0-q4_0-shift",
+        "qwen05-q8_0-q8_0-shift",
+    ] {
+        for threads in [2, 1] {
+            let Some((inexact, diverged)) = run_shift(name, threads) else {
+                continue;
+            };
+            assert!(!diverged, "{name}: greedy diverged from llama.cpp");
+            assert!(
+                inexact.is_empty(),
+                "{name}: logits differ at steps {inexact:?}"
+            );
+        }
+    }
+}
