@@ -487,12 +487,12 @@ fn q2_k(x: &[f32; QK_K], qw: &[f32; QK_K]) -> BlockQ2K {
     for j in 0..16 {
         sc[j] = ls[j] | (lm[j] << 4);
     }
-    for j in 0..16 {
-        let dj = dm * f32::from(sc[j] & 0x0f);
+    for (j, &s) in sc.iter().enumerate() {
+        let dj = dm * f32::from(s & 0x0f);
         if dj == 0.0 {
             continue;
         }
-        let m = mm * f32::from(sc[j] >> 4);
+        let m = mm * f32::from(s >> 4);
         for i in 16 * j..16 * j + 16 {
             l[i] = nearest_int((x[i] + m) / dj).clamp(0, 3) as u8;
         }
@@ -679,9 +679,9 @@ fn q5_k(x: &[f32; QK_K], qw: &[f32; QK_K]) -> BlockQ5K {
 fn q6_k(x: &[f32; QK_K], qw: &[f32; QK_K]) -> BlockQ6K {
     let mut l = [0i8; QK_K];
     let mut scales = [0f32; 16];
-    for ib in 0..16 {
+    for (ib, scale) in scales.iter_mut().enumerate() {
         let r = 16 * ib..16 * ib + 16;
-        scales[ib] = make_qx_quants(32, &x[r.clone()], &mut l[r.clone()], &qw[r]);
+        *scale = make_qx_quants(32, &x[r.clone()], &mut l[r.clone()], &qw[r]);
     }
     BlockQ6K::from_sub_scales(x, &scales, l)
 }
