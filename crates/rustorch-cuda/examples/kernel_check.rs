@@ -23,7 +23,7 @@ use rustorch_core::kernels::{self, QActs, QMatrix, ThreadPool};
 use rustorch_core::quant::{self, f16_to_f32, f32_to_f16};
 use rustorch_core::GgmlType;
 use rustorch_cuda::kernels::FORMATS;
-use rustorch_cuda::{AttnRow, AttnShape, CudaDevice, GpuVec, Scratch};
+use rustorch_cuda::{AttnRow, AttnShape, CudaDevice, CudaMatrix, GpuVec, Scratch};
 
 struct Check {
     kernel: String,
@@ -290,6 +290,7 @@ impl Harness {
                 n_rot,
                 freq_base: base,
                 freq_scale: fscale,
+                yarn: None,
             };
             let heads = 4;
             let width = heads * hd;
@@ -614,44 +615,70 @@ impl Harness {
     }
 
     fn timings(&mut self) {
+        const COPIES: usize = 6;
         println!();
-        println!("matrix-vector timings, 4096x4096 (random blocks), median of 5 x 50 launches:");
         println!(
-            "{:<8} {:>12} {:>10} {:>12} {:>10}",
-            "format", "t=1 µs", "GB/s", "t=8 µs", "GB/s"
+            "matrix-vector timings, TinyLlama-1.1B decode shapes, {COPIES} copies of each matrix \
+             taken in turn (not cache-resident), median of 5 x 48 launches:"
         );
-        let (n_rows, n_cols) = (4096usize, 4096usize);
-        let x = self.randn(8 * n_cols, 1.0);
-        let x1 = self.up(&x[..n_cols]);
-        let x8 = self.up(&x);
+        // q/k/v together, gate and up together, down, output
+        let shapes = [
+            (2560usize, 2048usize),
+            (11264, 2048),
+            (2048, 5632),
+            (32000, 2048),
+        ];
+        println!(
+            "{:<8} {:>12} {:>10} {:>10} {:>10} {:>12}",
+            "format", "shape", "t=1 µs", "GB/s", "t=8 µs", "GB/s"
+        );
         for (ty, _) in FORMATS {
-            let bytes_n = n_rows * n_cols / ty.block_size() * ty.type_size();
-            let mut bytes: Vec<u8> = (0..bytes_n).map(|_| self.rng.gen()).collect();
-            // keep every 16-bit word a finite f16 where scales live: clear the exponent's top bit
-            for b in bytes.iter_mut().skip(1).step_by(2) {
-                *b &= 0x3b;
+            for &(n_rows, n_cols) in &shapes {
+                if n_cols % ty.block_size() != 0 {
+                    continue;
+                }
+                let x = self.randn(8 * n_cols, 1.0);
+                let x1 = self.up(&x[..n_cols]);
+                let x8 = self.up(&x);
+                let bytes_n = n_rows * n_cols / ty.block_size() * ty.type_size();
+                let ms: Vec<CudaMatrix> = (0..COPIES)
+                    .map(|_| {
+                        let mut bytes: Vec<u8> = (0..bytes_n).map(|_| self.rng.gen()).collect();
+                        // keep every 16-bit word a finite f16 where scales live
+                        for b in bytes.iter_mut().skip(1).step_by(2) {
+                            *b &= 0x3b;
+                        }
+                        self.dev
+                            .upload_matrix(ty, &bytes, n_rows, n_cols)
+                            .expect("upload")
+                    })
+                    .collect();
+                let mut out = GpuVec::default();
+                let mut s = Scratch::default();
+                let mut i = 0;
+                let t1 = self.time(48, || {
+                    i += 1;
+                    self.dev
+                        .matmul(&ms[i % COPIES], &x1, &mut out, &mut s)
+                        .expect("matmul");
+                });
+                let t8 = self.time(48, || {
+                    i += 1;
+                    self.dev
+                        .matmul(&ms[i % COPIES], &x8, &mut out, &mut s)
+                        .expect("matmul");
+                });
+                let gb = ms[0].bytes() as f64 / 1e9;
+                println!(
+                    "{:<8} {:>12} {:>10.1} {:>10.0} {:>10.1} {:>12.0}",
+                    ty.name(),
+                    format!("{n_rows}x{n_cols}"),
+                    t1 * 1e6,
+                    gb / t1,
+                    t8 * 1e6,
+                    gb / t8
+                );
             }
-            let m = self
-                .dev
-                .upload_matrix(ty, &bytes, n_rows, n_cols)
-                .expect("upload");
-            let mut out = GpuVec::default();
-            let mut s = Scratch::default();
-            let t1 = self.time(50, || {
-                self.dev.matmul(&m, &x1, &mut out, &mut s).expect("matmul");
-            });
-            let t8 = self.time(50, || {
-                self.dev.matmul(&m, &x8, &mut out, &mut s).expect("matmul");
-            });
-            let gb = m.bytes() as f64 / 1e9;
-            println!(
-                "{:<8} {:>12.1} {:>10.0} {:>12.1} {:>10.0}",
-                ty.name(),
-                t1 * 1e6,
-                gb / t1,
-                t8 * 1e6,
-                gb / t8
-            );
         }
         println!("(t=1 includes the activation quantization launch; GB/s = weight bytes / time)");
 

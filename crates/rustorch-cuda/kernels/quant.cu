@@ -444,6 +444,60 @@ __device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
     }
 }
 
+// One token (decode): a warp per row, each lane walking groups lane, lane + 32, ... with its
+// loads for several groups in flight, summed by shuffles alone (no shared memory, no block
+// barrier). Rows are mapped as in `mmvq`; with `glu` the warp computes the gate and up rows.
+// (Staging each 32-group chunk through shared memory with 16-byte loads was slower on an
+// H100: fewer loads in flight per warp.)
+template <class F>
+__device__ __forceinline__ float mmvq_row1(const u8 *__restrict__ wr, const i8 *__restrict__ aq,
+                                           const float2 *__restrict__ ads, int ng) {
+    const int lane = threadIdx.x & 31;
+    const int gpb = F::QK / 32;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int gi = lane; gi < ng; gi += 32) {
+        Group w;
+        F::decode(wr + (size_t)(gi / gpb) * F::BYTES, gi % gpb, w);
+        const int4 *a = (const int4 *)aq + 2 * gi;
+        acc += group_dot<F>(w, a, ads[gi]);
+    }
+    return warp_sum(acc);
+}
+
+template <class F>
+__device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq,
+                                      const float2 *__restrict__ ads, int n_cols) {
+    int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
+    if (!j.glu) {
+        for (; m < j.n - 1; m++) {
+            if (wi < j.rows[m]) break;
+            wi -= j.rows[m];
+        }
+    }
+    const int n_rows = j.rows[m];
+    if (wi >= n_rows) return;  // the whole warp: no block barrier follows
+    const int ng = n_cols >> 5;
+    const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
+    const float x = mmvq_row1<F>(j.w[m] + (size_t)wi * row_bytes, aq, ads, ng);
+    if (!j.glu) {
+        if ((threadIdx.x & 31) == 0) j.out[m][wi] = x;
+        return;
+    }
+    const float up = mmvq_row1<F>(j.w[1] + (size_t)wi * row_bytes, aq, ads, ng);
+    if ((threadIdx.x & 31) == 0) {
+        float g;
+        if (j.glu == 1) {
+            g = __fdiv_rn(x, 1.0f + expf(-x));
+        } else {
+            const float inner = __fmaf_rn(__fmul_rn(0.044715f, x), x, 1.0f);
+            g = __fmul_rn(1.0f + tanhf(__fmul_rn(__fmul_rn(0.7978846f, x), inner)),
+                          __fmul_rn(0.5f, x));
+        }
+        j.out[0][wi] = __fmul_rn(g, up);
+    }
+}
+
 // Float weights (F32, F16, BF16) against f32 activations.
 template <int TY>
 __device__ __forceinline__ float ld_w(const u8 *W, size_t i) {
@@ -473,6 +527,49 @@ __device__ __forceinline__ void mmv_float(const u8 *__restrict__ W, const float 
     row_reduce_store<NT>(acc, out, row, n_rows, n_tok, tpr);
 }
 
+// One token, float weights: a warp per row, 16-byte weight loads (8 F16/BF16 or 4 F32
+// values per lane and step), several in flight. Needs n_cols a multiple of 8 (F16/BF16) or
+// 4 (F32) and 16-byte-aligned rows (the host checks).
+template <int TY>
+__device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float *__restrict__ x,
+                                           float *__restrict__ out, int n_rows, int n_cols) {
+    const int row = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n_rows) return;
+    const int per = TY == 0 ? 4 : 8;  // values per 16-byte load
+    const uint4 *wr = (const uint4 *)(W + (size_t)row * n_cols * (TY == 0 ? 4 : 2));
+    const float4 *xv = (const float4 *)x;
+    const int nv = n_cols / per;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int i = lane; i < nv; i += 32) {
+        const uint4 w = wr[i];
+        if (TY == 0) {
+            const float4 a = xv[i];
+            acc += __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y +
+                   __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
+        } else {
+            const float4 a = xv[2 * i], b = xv[2 * i + 1];
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+            const float av[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float lo = TY == 1 ? h2f((u16)(ws[k] & 0xFFFF)) : bf2f((u16)(ws[k] & 0xFFFF));
+                const float hi = TY == 1 ? h2f((u16)(ws[k] >> 16)) : bf2f((u16)(ws[k] >> 16));
+                acc += lo * av[2 * k] + hi * av[2 * k + 1];
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[row] = acc;
+}
+
+#define MMVQ1_KERNEL(NAME, F)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
+        mmvq1_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols) {               \
+        mmvq1<F>(j, aq, ads, n_cols);                                                        \
+    }
+
 #define MMVQ_KERNEL(NAME, F, NT)                                                              \
     extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
         mmvq_##NAME##_##NT(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int n_tok,  \
@@ -481,6 +578,7 @@ __device__ __forceinline__ void mmv_float(const u8 *__restrict__ W, const float 
     }
 
 #define MMVQ_ALL(NAME, F)                                                                     \
+    MMVQ1_KERNEL(NAME, F)                                                                    \
     MMVQ_KERNEL(NAME, F, 1)                                                                  \
     MMVQ_KERNEL(NAME, F, 2)                                                                  \
     MMVQ_KERNEL(NAME, F, 4)                                                                  \
@@ -507,6 +605,10 @@ MMVQ_ALL(iq4_xs, FIQ4_XS)
     }
 
 #define MMVF_ALL(NAME, TY)                                                                    \
+    extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
+        mmv1_##NAME(const u8 *W, const float *x, float *out, int n_rows, int n_cols) {       \
+        mmv_float1<TY>(W, x, out, n_rows, n_cols);                                           \
+    }                                                                                        \
     MMVF_KERNEL(NAME, TY, 1)                                                                 \
     MMVF_KERNEL(NAME, TY, 2)                                                                 \
     MMVF_KERNEL(NAME, TY, 4)                                                                 \

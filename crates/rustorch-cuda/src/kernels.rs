@@ -40,10 +40,13 @@ const MMV_THREADS: usize = 128;
 /// `RUSTORCH_CUDA_ATTN=cpu` runs attention as the CPU's flash attention (one warp walks a
 /// head's cells in order, scores summed in the CPU's order, the value accumulator rounded
 /// to f16 after every update) instead of the split f32 kernel: slower, for comparisons.
+/// `RUSTORCH_CUDA_DECODE=tiled` runs one-token products with the multi-token kernels
+/// (several threads per row, shared-memory sums) instead of a warp per row: for comparisons.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arith {
     pub q8_cpu: bool,
     pub attn_cpu: bool,
+    pub decode_kernels: bool,
 }
 
 pub fn arith() -> Arith {
@@ -53,6 +56,7 @@ pub fn arith() -> Arith {
         Arith {
             q8_cpu: var("RUSTORCH_CUDA_Q8") != "f32",
             attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu",
+            decode_kernels: var("RUSTORCH_CUDA_DECODE") != "tiled",
         }
     })
 }
@@ -99,6 +103,7 @@ pub fn kernel_names() -> Vec<String> {
         for nt in TOKEN_TILES {
             v.push(format!("{kind}_{s}_{nt}"));
         }
+        v.push(format!("{kind}1_{s}"));
         v.push(format!("get_rows_{s}"));
     }
     for e in ATTN_E {
@@ -378,6 +383,17 @@ impl CudaDevice {
         out.resize(self, n_tok * w.n_rows)?;
         let st = stem(w.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
         let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
+        let per = if w.ty == GgmlType::F32 { 4 } else { 8 };
+        if n_tok == 1 && w.n_cols.is_multiple_of(per) && arith().decode_kernels {
+            // one token: a warp per row, 16-byte loads (rows stay 16-byte aligned)
+            let (xp, op) = (x.ptr(), out.ptr());
+            return self.launch(
+                &format!("mmv1_{st}"),
+                (blocks(w.n_rows, MMV_THREADS / 32), 1, 1),
+                MMV_THREADS as u32,
+                &[&wp, &xp, &op, &nr, &nc],
+            );
+        }
         let tpr = threads_per_row(w.n_cols);
         let grid = blocks(w.n_rows, MMV_THREADS / tpr);
         let tpr_i = tpr as i32;
@@ -428,6 +444,24 @@ impl CudaDevice {
             job.rows[m] = w.n_rows as i32;
         }
         let (nc, tpr_i) = (n_cols as i32, tpr as i32);
+        if n_tok == 1 && arith().decode_kernels {
+            // one token: a warp per row (gate and up rows together with `glu`)
+            for m in 0..n_out {
+                job.out[m] = outs[m].ptr();
+            }
+            let rows: usize = if glu != 0 {
+                ws[0].n_rows
+            } else {
+                ws.iter().map(|w| w.n_rows).sum()
+            };
+            let (aq, ads) = (s.aq.ptr(), s.ads.ptr());
+            return self.launch(
+                &format!("mmvq1_{st}"),
+                (blocks(rows, MMV_THREADS / 32), 1, 1),
+                MMV_THREADS as u32,
+                &[&job, &aq, &ads, &nc],
+            );
+        }
         for (t0, cnt, nt) in Self::token_tiles(n_tok) {
             for m in 0..n_out {
                 job.out[m] = outs[m].ptr() + (t0 * ws[m].n_rows * 4) as u64;
