@@ -3,7 +3,8 @@
 Needs `pip install openai pytest` (this file installs nothing) and a release build
 (`cargo build --release`): the server is target/release/rustorch (or $RUSTORCH_BIN)
 with SmolLM2 (models/SmolLM2-135M-Instruct.Q4_1.gguf, `scripts/fetch-models.sh`), started
-on a free loopback port with an API key. Run: `pytest tests/server`.
+on a free loopback port with an API key. The other test files share `launch` and the
+fixtures here, Qwen2.5-Coder 0.5B and 1.5B servers included. Run: `pytest tests/server`.
 """
 
 import os
@@ -29,15 +30,16 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server():
+def launch(model):
+    """Starts `rustorch serve` on `model` (a free loopback port, -np 2, the API key) and
+    yields its base URL once /health answers; stops it (expecting exit 0) afterwards."""
     if not BIN.is_file():
         pytest.skip(f"{BIN} is not built (cargo build --release)")
-    if not MODEL.is_file():
-        pytest.skip(f"{MODEL} is absent (scripts/fetch-models.sh)")
+    if not model.is_file():
+        pytest.skip(f"{model} is absent (scripts/fetch-models.sh --all)")
     env = {k: v for k, v in os.environ.items() if k != "RUSTORCH_API_KEY"}
     proc = subprocess.Popen(
-        [str(BIN), "serve", "-m", str(MODEL), "--host", "127.0.0.1", "--port", "0",
+        [str(BIN), "serve", "-m", str(model), "--host", "127.0.0.1", "--port", "0",
          "-np", "2", "-c", "4096", "--api-key", API_KEY],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         env=env, text=True,
@@ -79,8 +81,39 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def server():
+    yield from launch(MODEL)
+
+
+# Qwen2.5-Coder 0.5B and 1.5B (`scripts/fetch-models.sh --all`): Hermes-style tool calls
+# (`<tool_call>` in their templates) and bigger vocabularies than SmolLM2's
+QWEN05_NAME = "qwen2.5-coder-0.5b-instruct-q4km.gguf"
+QWEN15_NAME = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="module")
+def qwen05_server():
+    yield from launch(ROOT / "models" / QWEN05_NAME)
+
+
+@pytest.fixture(scope="module")
+def qwen15_server():
+    yield from launch(ROOT / "models" / QWEN15_NAME)
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def qwen05_client(qwen05_server):
+    return openai.OpenAI(base_url=qwen05_server + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def qwen15_client(qwen15_server):
+    return openai.OpenAI(base_url=qwen15_server + "/v1", api_key=API_KEY, max_retries=0)
 
 
 def test_chat_completion_answers_paris(client):

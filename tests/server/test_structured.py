@@ -3,13 +3,15 @@ pydantic model (`client.beta.chat.completions.parse`), `json_object`, llama-serv
 `grammar` and `json_schema` fields, and 400s for bad schemas and grammars.
 
 Every parsed output is also validated with the `jsonschema` package against the schema the
-client sent. Needs `pip install openai pytest jsonschema` and a release build; the server
-(SmolLM2) is started by the `server` fixture of test_openai.py. Run: `pytest tests/server`.
+client sent; `parse()` runs on SmolLM2, Qwen2.5-Coder 0.5B and Qwen2.5-Coder 1.5B. Needs
+`pip install openai pytest jsonschema` and a release build; the servers are fixtures of
+test_openai.py. Run: `pytest tests/server`.
 """
 
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import pytest
@@ -19,7 +21,10 @@ jsonschema = pytest.importorskip("jsonschema")
 from openai.lib._pydantic import to_strict_json_schema  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from test_openai import API_KEY, MODEL_NAME, client, server  # noqa: E402,F401
+from test_openai import (  # noqa: E402,F401
+    API_KEY, MODEL_NAME, QWEN05_NAME, QWEN15_NAME, client, qwen05_client, qwen05_server,
+    qwen15_client, qwen15_server, server,
+)
 
 
 class Landmark(BaseModel):
@@ -49,13 +54,25 @@ def messages(prompt):
     ]
 
 
-def test_parse_with_a_pydantic_model_gives_valid_objects(client):
+@pytest.mark.parametrize("fixture, model", [
+    ("client", MODEL_NAME), ("qwen05_client", QWEN05_NAME), ("qwen15_client", QWEN15_NAME),
+])
+def test_parse_with_a_pydantic_model_gives_valid_objects(fixture, model, request):
+    """The 10 prompts on SmolLM2, Qwen2.5-Coder 0.5B and 1.5B (two at a time: the
+    servers run with -np 2)."""
+    c = request.getfixturevalue(fixture)
     schema = to_strict_json_schema(City)
-    for seed, prompt in enumerate(PROMPTS):
-        r = client.beta.chat.completions.parse(
-            model=MODEL_NAME, messages=messages(prompt), response_format=City,
+
+    def parse(seed_prompt):
+        seed, prompt = seed_prompt
+        return c.beta.chat.completions.parse(
+            model=model, messages=messages(prompt), response_format=City,
             temperature=0.8, seed=seed, max_tokens=300,
         )
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(parse, enumerate(PROMPTS)))
+    for r in results:
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         city = choice.message.parsed

@@ -11,6 +11,7 @@ pub mod model;
 pub mod sampler;
 pub mod scheduler;
 pub mod tokenizer;
+pub mod tools;
 
 pub use batch::{Batch, SeqId};
 pub use kv_cache::{KvCache, KvCacheError};

@@ -9,8 +9,11 @@
 //! can say which one ended it (`stop_reason: "stop_sequence"`, `stop_sequence`); once
 //! one appears the request's channel is dropped, which ends it in the scheduler.
 //!
-//! Tool calling is not implemented yet: `tools`, `tool_choice` and `tool_use` /
-//! `tool_result` content blocks are refused with a 400 that says so.
+//! Tools (`tools` with `input_schema`, `tool_choice` `auto` / `any` / `tool` / `none`)
+//! go through the same tool-calling core as `/v1/chat/completions`
+//! ([`super::tools`]): answers carry `tool_use` blocks (`stop_reason: "tool_use"`,
+//! streamed as `input_json_delta`s), and `tool_use` / `tool_result` blocks of earlier
+//! turns are rendered as the template's calls and tool messages.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -24,14 +27,17 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
 use rustorch_llm::chat::ChatTemplate;
 use rustorch_llm::engine::TextStream;
+use rustorch_llm::grammar::GrammarEngine;
 use rustorch_llm::sampler::SamplerParams;
 use rustorch_llm::scheduler::{Event, FinishReason, GenRequest};
 use rustorch_llm::tokenizer::Tokenizer;
+use rustorch_llm::tools::{ToolCallParser, ToolDelta};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, json_response, ApiError, Fields};
 use super::routes::ChannelSink;
+use super::tools;
 use super::AppState;
 
 /// Whether a path belongs to this API (its errors take Anthropic's shape).
@@ -91,6 +97,8 @@ struct Parsed {
     stream: bool,
     /// The client's `stop_sequences` (matched here, not by the scheduler).
     stop_sequences: Vec<String>,
+    /// Reads `tool_use` blocks out of the answer when the request has tools.
+    tools: Option<ToolCallParser>,
 }
 
 /// Text of `content`: a string or an array of text blocks.
@@ -121,8 +129,8 @@ fn blocks_text(param: &str, v: &Value) -> Result<String, ApiError> {
                         return Err(ApiError::param(
                             &p,
                             format!(
-                                "{p}: content blocks of type '{t}' are not supported: this \
-                                 server does not implement tool calling yet (text blocks only)"
+                                "{p}: content blocks of type '{t}' belong in messages (text \
+                                 blocks only here)"
                             ),
                         ))
                     }
@@ -152,28 +160,116 @@ fn blocks_text(param: &str, v: &Value) -> Result<String, ApiError> {
     }
 }
 
-/// Parses a Messages request and renders its prompt. `count_only`: for
-/// `count_tokens`, where `max_tokens` is not asked for.
-fn parse(
-    body: &Map<String, Value>,
-    tokenizer: &Tokenizer,
-    template: &ChatTemplate,
-    count_only: bool,
-) -> Result<Parsed, ApiError> {
-    let f = Fields(body);
-    f.str("model")?;
-    for key in ["tools", "tool_choice"] {
-        match body.get(key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(_) => {
+/// A string field of a content block.
+fn block_str<'a>(o: &'a Map<String, Value>, p: &str, key: &str) -> Result<&'a str, ApiError> {
+    match o.get(key) {
+        Some(Value::String(s)) => Ok(s),
+        Some(v) => Err(Fields::wrong(&format!("{p}.{key}"), "a string", v)),
+        None => Err(ApiError::param(
+            &format!("{p}.{key}"),
+            format!("{p}.{key}: Field required"),
+        )),
+    }
+}
+
+/// One message's content as chat messages: text blocks join into the message's
+/// text; an assistant's `tool_use` blocks become its `tool_calls`; a user's
+/// `tool_result` blocks become `tool` messages, put before the user's text.
+fn message_parts(role: &str, param: &str, v: &Value) -> Result<Vec<Value>, ApiError> {
+    let blocks = match v {
+        Value::String(s) => return Ok(vec![json!({"role": role, "content": s})]),
+        Value::Array(blocks) => blocks,
+        other => {
+            return Err(Fields::wrong(
+                param,
+                "a string or an array of content blocks",
+                other,
+            ))
+        }
+    };
+    let mut texts = Vec::new();
+    let mut calls = Vec::new();
+    let mut results = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let p = format!("{param}[{j}]");
+        let Value::Object(o) = b else {
+            return Err(Fields::wrong(&p, "a content block object", b));
+        };
+        match o.get("type").and_then(Value::as_str) {
+            Some("text") => texts.push(block_str(o, &p, "text")?.to_string()),
+            Some("tool_use") if role == "assistant" => {
+                let input = match o.get("input") {
+                    Some(v @ Value::Object(_)) => v.clone(),
+                    None | Some(Value::Null) => json!({}),
+                    Some(v) => return Err(Fields::wrong(&format!("{p}.input"), "an object", v)),
+                };
+                calls.push(tools::call_json(
+                    block_str(o, &p, "id")?,
+                    block_str(o, &p, "name")?,
+                    input,
+                ));
+            }
+            Some("tool_result") if role == "user" => {
+                let id = block_str(o, &p, "tool_use_id")?;
+                let mut content = match o.get("content") {
+                    None | Some(Value::Null) => String::new(),
+                    Some(v) => blocks_text(&format!("{p}.content"), v)?,
+                };
+                if o.get("is_error") == Some(&Value::Bool(true)) {
+                    content = format!("Error: {content}");
+                }
+                results.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+            }
+            Some(t @ ("tool_use" | "tool_result")) => {
                 return Err(ApiError::param(
-                    key,
-                    format!("{key}: tool calling is not supported by this server yet"),
+                    &p,
+                    format!("{p}: '{t}' blocks cannot be in a message of role '{role}'"),
+                ))
+            }
+            Some(t) => {
+                return Err(ApiError::param(
+                    &p,
+                    format!(
+                        "{p}: content blocks of type '{t}' are not supported (text, tool_use \
+                         and tool_result only)"
+                    ),
+                ))
+            }
+            None => {
+                return Err(ApiError::param(
+                    &format!("{p}.type"),
+                    format!("{p}.type: Field required"),
                 ))
             }
         }
     }
+    let text = texts.join("\n");
+    let mut out = results;
+    if role == "assistant" {
+        let mut m = json!({"role": role, "content": text});
+        if !calls.is_empty() {
+            m["tool_calls"] = Value::Array(calls);
+        }
+        out.push(m);
+    } else if !text.is_empty() || out.is_empty() {
+        out.push(json!({"role": role, "content": text}));
+    }
+    Ok(out)
+}
+
+/// Parses a Messages request and renders its prompt. `engine`: the grammar compiler
+/// for tool calls; `None` for `count_tokens`, which needs no grammar and does not ask
+/// for `max_tokens`.
+fn parse(
+    body: &Map<String, Value>,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    engine: Option<&dyn Fn() -> GrammarEngine>,
+) -> Result<Parsed, ApiError> {
+    let count_only = engine.is_none();
+    let f = Fields(body);
+    f.str("model")?;
+    let tool_req = tools::anthropic_request(body)?;
     let max_tokens = f.int("max_tokens", 1, i64::MAX)?;
     if max_tokens.is_none() && !count_only {
         return Err(ApiError::param("max_tokens", "max_tokens: Field required"));
@@ -223,32 +319,26 @@ fn parse(
                 ))
             }
         };
-        let content = match o.get("content") {
+        match o.get("content") {
             None | Some(Value::Null) => {
                 return Err(ApiError::param(
                     &format!("{p}.content"),
                     format!("{p}.content: Field required"),
                 ))
             }
-            Some(v) => blocks_text(&format!("{p}.content"), v)?,
-        };
-        msgs.push(json!({"role": role, "content": content}));
+            Some(v) => msgs.extend(message_parts(role, &format!("{p}.content"), v)?),
+        }
     }
-    // a last assistant message is a prefill: the answer continues it
+    // a last assistant message (without calls) is a prefill: the answer continues it
     let prefill = match msgs.last() {
-        Some(m) if m["role"] == "assistant" => msgs
+        Some(m) if m["role"] == "assistant" && m.get("tool_calls").is_none() => msgs
             .pop()
             .and_then(|m| m["content"].as_str().map(str::to_string)),
         _ => None,
     };
-    let rendered = template
-        .render_json(&Value::Array(msgs), true, None)
-        .map_err(|e| {
-            ApiError::param(
-                "messages",
-                format!("the chat template cannot render these messages: {e}"),
-            )
-        })?;
+    let mut gen = GenRequest::default();
+    let (rendered, tool_parser) =
+        tools::prepare(tool_req, msgs, template, tokenizer, engine, &mut gen, None)?;
     let mut text = template
         .strip_special_affixes(&rendered, tokenizer.add_bos(), tokenizer.add_eos())
         .to_string();
@@ -281,6 +371,8 @@ fn parse(
         .filter(|s| !s.is_empty())
         .collect();
     let stream = f.bool("stream")?.unwrap_or(false);
+    // the call marker's ban (tool_choice none) goes with the sampling settings
+    p.logit_bias = std::mem::take(&mut gen.sampling.logit_bias);
     Ok(Parsed {
         gen: GenRequest {
             prompt,
@@ -288,10 +380,11 @@ fn parse(
             max_tokens: max_tokens.map(|m| m as usize),
             stop: template.stop_strings().to_vec(),
             logprobs: None,
-            grammar: None,
+            grammar: gen.grammar,
         },
         stream,
         stop_sequences,
+        tools: tool_parser,
     })
 }
 
@@ -304,10 +397,19 @@ async fn prepare(
     let r = state.ready.get().ok_or_else(ApiError::loading)?.clone();
     let obj = api::parse_object(&body)?;
     let r2 = r.clone();
-    let parsed =
-        tokio::task::spawn_blocking(move || parse(&obj, &r2.tokenizer, &r2.template, count_only))
-            .await
-            .map_err(|_| ApiError::internal("the request could not be prepared"))??;
+    let parsed = tokio::task::spawn_blocking(move || {
+        // the grammar engine (the vocabulary's token trie) is built at the first request
+        // that needs it
+        let engine = || {
+            r2.grammar
+                .get_or_init(|| GrammarEngine::new(r2.tokenizer.clone()))
+                .clone()
+        };
+        let engine: Option<&dyn Fn() -> GrammarEngine> = (!count_only).then_some(&engine);
+        parse(&obj, &r2.tokenizer, &r2.template, engine)
+    })
+    .await
+    .map_err(|_| ApiError::internal("the request could not be prepared"))??;
     Ok((r, parsed))
 }
 
@@ -338,18 +440,23 @@ async fn messages_inner(state: Arc<AppState>, body: Bytes) -> Result<Response, A
         watch: StopWatch::new(parsed.stop_sequences),
         n_out: 0,
         pending: VecDeque::new(),
+        marker: parsed
+            .tools
+            .as_ref()
+            .and_then(|t| t.marker().map(|(id, text)| (id, text.to_string()))),
     };
+    let blocks = Blocks::new(parsed.tools);
     let meta = Meta {
         id: format!("msg_{:024x}", rand::random::<u128>() >> 32),
         model: state.model_name.clone(),
         input_tokens,
     };
     if parsed.stream {
-        Ok(Sse::new(sse_stream(meta, run))
+        Ok(Sse::new(sse_stream(meta, run, blocks))
             .keep_alive(KeepAlive::default())
             .into_response())
     } else {
-        collect(meta, run).await
+        collect(meta, run, blocks).await
     }
 }
 
@@ -422,6 +529,9 @@ struct Run {
     /// Tokens generated so far.
     n_out: usize,
     pending: VecDeque<Step>,
+    /// A control token that opens tool calls, and the text it stands for (the output
+    /// leaves control tokens out; the call parser needs to see it).
+    marker: Option<(u32, String)>,
 }
 
 impl Run {
@@ -433,9 +543,16 @@ impl Run {
             }
             let rx = self.rx.as_mut()?;
             match rx.recv().await {
-                Some(Event::Token { token, text, .. }) => {
+                Some(Event::Token {
+                    token, mut text, ..
+                }) => {
                     if token.is_some() {
                         self.n_out += 1;
+                    }
+                    if let (Some(t), Some((id, marker))) = (token, &self.marker) {
+                        if t == *id {
+                            text.push_str(marker);
+                        }
                     }
                     let (out, stop) = self.watch.push(&text);
                     if !out.is_empty() {
@@ -493,7 +610,7 @@ impl Run {
 }
 
 /// Waits for the whole answer.
-async fn collect(meta: Meta, mut run: Run) -> Result<Response, ApiError> {
+async fn collect(meta: Meta, mut run: Run, mut blocks: Blocks) -> Result<Response, ApiError> {
     let mut text = String::new();
     while let Some(step) = run.next().await {
         match step {
@@ -504,12 +621,37 @@ async fn collect(meta: Meta, mut run: Run) -> Result<Response, ApiError> {
                 stop_sequence,
                 output_tokens,
             } => {
+                let (content, stop_reason) = match blocks.tools.as_mut() {
+                    None => (json!([{"type": "text", "text": text}]), stop_reason),
+                    Some(parser) => {
+                        parser.push(None, &text);
+                        let parsed = parser.result();
+                        let mut content = Vec::new();
+                        if !parsed.content.trim().is_empty() {
+                            content.push(json!({"type": "text", "text": parsed.content}));
+                        }
+                        for c in &parsed.calls {
+                            content.push(json!({
+                                "type": "tool_use",
+                                "id": tools::call_id("toolu_"),
+                                "name": c.name,
+                                "input": tools::arguments_object(&c.arguments),
+                            }));
+                        }
+                        let reason = if parsed.calls.is_empty() || stop_reason != "end_turn" {
+                            stop_reason
+                        } else {
+                            "tool_use"
+                        };
+                        (Value::Array(content), reason)
+                    }
+                };
                 let body = json!({
                     "id": meta.id,
                     "type": "message",
                     "role": "assistant",
                     "model": meta.model,
-                    "content": [{"type": "text", "text": text}],
+                    "content": content,
                     "stop_reason": stop_reason,
                     "stop_sequence": stop_sequence,
                     "usage": {
@@ -528,10 +670,119 @@ fn event(name: &str, data: Value) -> SseEvent {
     SseEvent::default().event(name).data(data.to_string())
 }
 
+/// The content blocks of a streamed answer: one text block without tools; with tools,
+/// text and `tool_use` blocks in the order the answer gives them.
+struct Blocks {
+    tools: Option<ToolCallParser>,
+    /// The block being written: its index and whether it is text.
+    open: Option<(usize, bool)>,
+    next: usize,
+    /// `tool_use` blocks so far.
+    calls: usize,
+}
+
+impl Blocks {
+    fn new(tools: Option<ToolCallParser>) -> Self {
+        Blocks {
+            tools,
+            open: None,
+            next: 0,
+            calls: 0,
+        }
+    }
+
+    fn start(&mut self, block: Value, is_text: bool, out: &mut VecDeque<SseEvent>) -> usize {
+        self.close(out);
+        let index = self.next;
+        self.next += 1;
+        self.open = Some((index, is_text));
+        out.push_back(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
+        index
+    }
+
+    fn close(&mut self, out: &mut VecDeque<SseEvent>) {
+        if let Some((index, _)) = self.open.take() {
+            out.push_back(event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": index}),
+            ));
+        }
+    }
+
+    fn text_delta(&mut self, text: String, out: &mut VecDeque<SseEvent>) {
+        let index = match self.open {
+            Some((i, true)) => i,
+            _ => self.start(json!({"type": "text", "text": ""}), true, out),
+        };
+        out.push_back(event(
+            "content_block_delta",
+            json!({
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "text_delta", "text": text},
+            }),
+        ));
+    }
+
+    /// Streams a piece of the answer.
+    fn push(&mut self, text: String, out: &mut VecDeque<SseEvent>) {
+        let deltas = match self.tools.as_mut() {
+            None => return self.text_delta(text, out),
+            Some(p) => p.push(None, &text),
+        };
+        self.deltas(deltas, out);
+    }
+
+    fn deltas(&mut self, deltas: Vec<ToolDelta>, out: &mut VecDeque<SseEvent>) {
+        for d in deltas {
+            match d {
+                ToolDelta::Content(t) => self.text_delta(t, out),
+                ToolDelta::CallStart { name, .. } => {
+                    self.calls += 1;
+                    let block = json!({
+                        "type": "tool_use",
+                        "id": tools::call_id("toolu_"),
+                        "name": name,
+                        "input": {},
+                    });
+                    self.start(block, false, out);
+                }
+                ToolDelta::Arguments { text, .. } => {
+                    if let Some((index, false)) = self.open {
+                        out.push_back(event(
+                            "content_block_delta",
+                            json!({
+                                "type": "content_block_delta",
+                                "index": index,
+                                "delta": {"type": "input_json_delta", "partial_json": text},
+                            }),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the answer: what the call parser held back, and the open block closed.
+    fn end(&mut self, out: &mut VecDeque<SseEvent>) {
+        let deltas = self.tools.as_mut().map(|p| p.finish()).unwrap_or_default();
+        self.deltas(deltas, out);
+        self.close(out);
+    }
+}
+
 /// Anthropic's events: `message_start`, `content_block_start`, `ping`,
 /// `content_block_delta`s, `content_block_stop`, `message_delta`, `message_stop`
-/// (or an `error` event).
-fn sse_stream(meta: Meta, run: Run) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+/// (or an `error` event). Without tools the answer is one text block, opened at once;
+/// with tools each block opens when its first piece comes.
+fn sse_stream(
+    meta: Meta,
+    run: Run,
+    mut blocks: Blocks,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let mut out = VecDeque::new();
     out.push_back(event(
         "message_start",
@@ -549,51 +800,41 @@ fn sse_stream(meta: Meta, run: Run) -> impl Stream<Item = Result<SseEvent, Infal
             },
         }),
     ));
-    out.push_back(event(
-        "content_block_start",
-        json!({
-            "type": "content_block_start",
-            "index": 0,
-            "content_block": {"type": "text", "text": ""},
-        }),
-    ));
+    if blocks.tools.is_none() {
+        blocks.start(json!({"type": "text", "text": ""}), true, &mut out);
+    }
     out.push_back(event("ping", json!({"type": "ping"})));
     stream::unfold(
-        (run, out, false),
-        |(mut run, mut out, mut done)| async move {
+        (run, out, blocks, false),
+        |(mut run, mut out, mut blocks, mut done)| async move {
             loop {
                 if let Some(e) = out.pop_front() {
-                    return Some((Ok(e), (run, out, done)));
+                    return Some((Ok(e), (run, out, blocks, done)));
                 }
                 if done {
                     return None;
                 }
                 match run.next().await {
-                    Some(Step::Text(t)) => out.push_back(event(
-                        "content_block_delta",
-                        json!({
-                            "type": "content_block_delta",
-                            "index": 0,
-                            "delta": {"type": "text_delta", "text": t},
-                        }),
-                    )),
+                    Some(Step::Text(t)) => blocks.push(t, &mut out),
                     Some(Step::End {
                         stop_reason,
                         stop_sequence,
                         output_tokens,
                     }) => {
+                        blocks.end(&mut out);
+                        let stop_reason = if blocks.calls > 0 && stop_reason == "end_turn" {
+                            "tool_use"
+                        } else {
+                            stop_reason
+                        };
                         out.push_back(event(
-                            "content_block_stop",
-                            json!({"type": "content_block_stop", "index": 0}),
+                            "message_delta",
+                            json!({
+                                "type": "message_delta",
+                                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                "usage": {"output_tokens": output_tokens},
+                            }),
                         ));
-                        out.push_back(event(
-                        "message_delta",
-                        json!({
-                            "type": "message_delta",
-                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            "usage": {"output_tokens": output_tokens},
-                        }),
-                    ));
                         out.push_back(event("message_stop", json!({"type": "message_stop"})));
                         done = true;
                     }

@@ -10,7 +10,10 @@ use rustorch_llm::grammar::{GrammarEngine, GrammarSpec};
 use rustorch_llm::sampler::SamplerParams;
 use rustorch_llm::scheduler::{GenRequest, SubmitError};
 use rustorch_llm::tokenizer::Tokenizer;
+use rustorch_llm::tools::ToolCallParser;
 use serde_json::{json, Map, Value};
+
+use super::tools;
 
 /// An error answered as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
@@ -291,6 +294,9 @@ pub struct Prepared {
     pub stream: bool,
     pub include_usage: bool,
     pub logprobs: LogprobsMode,
+    /// Reads calls out of the answer when the request has tools (and `tool_choice` is
+    /// not `none`).
+    pub tools: Option<ToolCallParser>,
 }
 
 /// What constrains the output: llama-server's `grammar` (GBNF) and `json_schema`
@@ -395,17 +401,18 @@ pub fn grammar_spec(f: &Fields<'_>) -> Result<Option<(GrammarSpec, String)>, Api
     Ok(found.pop())
 }
 
-/// Compiles the request's grammar, if any; a bad one is a 400 naming its field.
+/// Compiles the request's grammar, if any, and names the field it came from; a bad one
+/// is a 400 naming its field.
 fn compile_grammar(
     f: &Fields<'_>,
     engine: &dyn Fn() -> GrammarEngine,
-) -> Result<Option<rustorch_llm::grammar::Constraint>, ApiError> {
+) -> Result<Option<(rustorch_llm::grammar::Constraint, String)>, ApiError> {
     let Some((spec, param)) = grammar_spec(f)? else {
         return Ok(None);
     };
     engine()
         .compile(&spec)
-        .map(Some)
+        .map(|c| Some((c, param.clone())))
         .map_err(|e| ApiError::param(&param, format!("'{param}': {e}")).code("invalid_grammar"))
 }
 
@@ -640,21 +647,46 @@ pub fn chat_request(
         // newer OpenAI clients send "developer" where templates know "system"
         let role = if role == "developer" { "system" } else { role };
         let content = message_content(i, o.get("content"))?;
-        msgs.push(json!({"role": role, "content": content}));
+        let mut msg = json!({"role": role, "content": content});
+        match role {
+            "assistant" => {
+                if let Some(calls) = o.get("tool_calls").filter(|v| !v.is_null()) {
+                    let calls =
+                        tools::openai_tool_calls(&format!("messages[{i}].tool_calls"), calls)?;
+                    if !calls.is_empty() {
+                        msg["tool_calls"] = Value::Array(calls);
+                    }
+                }
+            }
+            "tool" => {
+                for key in ["tool_call_id", "name"] {
+                    let p = format!("messages[{i}].{key}");
+                    if let Some(v) = Fields(o).str(key).map_err(|mut e| {
+                        e.param = Some(p.clone());
+                        e
+                    })? {
+                        msg[key] = Value::String(v.to_string());
+                    }
+                }
+            }
+            _ => {}
+        }
+        msgs.push(msg);
     }
-    if f.0.get("tools").is_some_and(|t| !t.is_null()) {
-        return Err(ApiError::param("tools", "tool calling is not supported"));
-    }
+    let tool_req = tools::openai_request(&f)?;
     let (mut gen, stream, include_usage, logprobs) = common_fields(&f, tokenizer, true)?;
-    gen.grammar = compile_grammar(&f, grammar)?;
-    let rendered = template
-        .render_json(&Value::Array(msgs), true, None)
-        .map_err(|e| {
-            ApiError::param(
-                "messages",
-                format!("the chat template cannot render these messages: {e}"),
-            )
-        })?;
+    let own = compile_grammar(&f, grammar)?;
+    let own_param = own.as_ref().map(|(_, p)| p.clone());
+    gen.grammar = own.map(|(c, _)| c);
+    let (rendered, tools) = tools::prepare(
+        tool_req,
+        msgs,
+        template,
+        tokenizer,
+        Some(grammar),
+        &mut gen,
+        own_param.as_deref(),
+    )?;
     let text = template.strip_special_affixes(&rendered, tokenizer.add_bos(), tokenizer.add_eos());
     tracing::debug!(prompt = %text, "rendered chat prompt");
     gen.prompt = tokenizer
@@ -670,6 +702,7 @@ pub fn chat_request(
         stream,
         include_usage,
         logprobs,
+        tools,
     })
 }
 
@@ -728,12 +761,13 @@ pub fn completion_request(
         }
     }
     let (mut gen, stream, include_usage, logprobs) = common_fields(&f, tokenizer, false)?;
-    gen.grammar = compile_grammar(&f, grammar)?;
+    gen.grammar = compile_grammar(&f, grammar)?.map(|(c, _)| c);
     gen.prompt = prompt;
     Ok(Prepared {
         gen,
         stream,
         include_usage,
         logprobs,
+        tools: None,
     })
 }

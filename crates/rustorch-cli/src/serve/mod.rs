@@ -39,6 +39,7 @@
 mod anthropic;
 mod api;
 mod routes;
+mod tools;
 
 use std::future::IntoFuture;
 use std::path::PathBuf;

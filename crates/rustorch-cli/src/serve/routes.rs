@@ -15,11 +15,13 @@ use rustorch_llm::grammar::GrammarEngine;
 use rustorch_llm::sampler::Logprobs;
 use rustorch_llm::scheduler::{Completion, Event, EventSink, FinishReason};
 use rustorch_llm::tokenizer::Tokenizer;
+use rustorch_llm::tools::ToolCallParser;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::anthropic;
 use super::api::{self, json_response, ApiError, Fields, LogprobsMode, Prepared};
+use super::tools::{self as server_tools, OpenAiCalls};
 use super::{AppState, Ready};
 
 /// Events of one request, from the engine thread to its handler.
@@ -534,12 +536,12 @@ async fn generate_inner(
         .submit(prepared.gen, Box::new(ChannelSink(tx)))
         .map_err(|e| ApiError::from_submit(e, param, cfg.n_slots, cfg.n_ctx))?;
     if prepared.stream {
-        let events = sse_stream(meta, r.tokenizer.clone(), rx);
+        let events = sse_stream(meta, r.tokenizer.clone(), rx, prepared.tools);
         Ok(Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response())
     } else {
-        collect(meta, &r.tokenizer, rx).await
+        collect(meta, &r.tokenizer, rx, prepared.tools).await
     }
 }
 
@@ -548,14 +550,20 @@ async fn collect(
     meta: Meta,
     tok: &Tokenizer,
     mut rx: UnboundedReceiver<Event>,
+    mut tools: Option<ToolCallParser>,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     loop {
         match rx.recv().await {
             Some(Event::Token {
-                text: t, logprobs, ..
+                token,
+                text: t,
+                logprobs,
             }) => {
+                if let Some(p) = tools.as_mut() {
+                    p.push(token, &t);
+                }
                 text.push_str(&t);
                 lps.extend(logprobs);
             }
@@ -569,12 +577,29 @@ async fn collect(
                     .code("shutting_down"));
                 }
                 let logprobs = logprobs_json(&meta, tok, &lps);
+                if let Some(p) = tools.as_ref() {
+                    tracing::debug!(output = %p.text(), "answer read for tool calls");
+                }
+                let (message, finish) = match tools.as_ref().map(|p| p.result()) {
+                    Some(parsed) => {
+                        let finish = if !parsed.calls.is_empty() && c.finish == FinishReason::Stop {
+                            "tool_calls"
+                        } else {
+                            c.finish.as_str()
+                        };
+                        (server_tools::openai_message(&parsed), finish)
+                    }
+                    None => (
+                        json!({"role": "assistant", "content": text}),
+                        c.finish.as_str(),
+                    ),
+                };
                 let choice = match meta.kind {
                     Kind::Chat => json!({
                         "index": 0,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": c.finish.as_str(),
+                        "finish_reason": finish,
                     }),
                     Kind::Text => json!({
                         "index": 0,
@@ -601,6 +626,8 @@ struct StreamState {
     out: std::collections::VecDeque<String>,
     /// Log-probabilities of tokens whose text is not out yet.
     pending_lps: Vec<Logprobs>,
+    /// Splits calls from text when the request has tools.
+    tools: Option<OpenAiCalls>,
     done: bool,
 }
 
@@ -642,11 +669,26 @@ impl StreamState {
         self.out.push_back(c);
     }
 
+    /// A chat delta (`content` or `tool_calls`).
+    fn delta_chunk(&mut self, delta: Value) {
+        let lps = std::mem::take(&mut self.pending_lps);
+        let c = self.chunk(delta, None, &lps);
+        self.out.push_back(c);
+    }
+
     fn on_event(&mut self, ev: Option<Event>) {
         match ev {
-            Some(Event::Token { text, logprobs, .. }) => {
+            Some(Event::Token {
+                token,
+                text,
+                logprobs,
+            }) => {
                 self.pending_lps.extend(logprobs);
-                if !text.is_empty() {
+                if let Some(t) = self.tools.as_mut() {
+                    for delta in t.push(token, &text) {
+                        self.delta_chunk(delta);
+                    }
+                } else if !text.is_empty() {
                     self.text_chunk(text);
                 }
             }
@@ -654,12 +696,21 @@ impl StreamState {
                 self.error("the request was cancelled: the server is shutting down");
             }
             Some(Event::Done(c)) => {
+                let mut finish = c.finish.as_str();
+                if let Some(mut t) = self.tools.take() {
+                    for delta in t.finish() {
+                        self.delta_chunk(delta);
+                    }
+                    if t.has_calls() && c.finish == FinishReason::Stop {
+                        finish = "tool_calls";
+                    }
+                }
                 let lps = std::mem::take(&mut self.pending_lps);
                 let empty = match self.meta.kind {
                     Kind::Chat => json!({}),
                     Kind::Text => json!(""),
                 };
-                let last = self.chunk(empty, Some(c.finish.as_str()), &lps);
+                let last = self.chunk(empty, Some(finish), &lps);
                 self.out.push_back(last);
                 if self.meta.include_usage {
                     let mut u = self.meta.envelope(true, json!([]));
@@ -688,6 +739,7 @@ fn sse_stream(
     meta: Meta,
     tok: Arc<Tokenizer>,
     rx: UnboundedReceiver<Event>,
+    tools: Option<ToolCallParser>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let mut st = StreamState {
         meta,
@@ -695,6 +747,7 @@ fn sse_stream(
         rx,
         out: Default::default(),
         pending_lps: Vec::new(),
+        tools: tools.map(OpenAiCalls::new),
         done: false,
     };
     let first = match st.meta.kind {

@@ -572,6 +572,19 @@ impl ChatTemplate {
     }
 }
 
+/// `value` as Python's `json.dumps` writes it (`", "` and `": "` separators, non-ASCII
+/// kept), with `indent` spaces per level when given: the JSON text templates see.
+pub fn python_json(value: &serde_json::Value, indent: Option<usize>) -> String {
+    let mut opts = pyjson::DumpOptions {
+        indent: indent.map(|n| " ".repeat(n)),
+        ..pyjson::DumpOptions::default()
+    };
+    if opts.indent.is_some() {
+        opts.item_sep = ",".into();
+    }
+    pyjson::dumps(&Value::from_serialize(value), &opts).unwrap_or_else(|_| value.to_string())
+}
+
 /// Byte offset of the earliest of `stops` in `text`.
 pub fn find_stop<S: AsRef<str>>(text: &str, stops: &[S]) -> Option<usize> {
     stops
