@@ -8,7 +8,8 @@ log-sum-exp of the full logits vector and the SHA-256 of the full logits vector 
 little-endian f32 (so the test can check every step bit for bit without storing the
 vectors). Output: tests/fixtures/kv_quant/<model>-<type_k>-<type_v>.json. It also records
 a shift of cached keys (a prompt, its cells from a position on moved by a delta, then greedy
-decoding) per pair in SHIFTS: <model>-<type_k>-<type_v>-shift.json.
+decoding) per pair in SHIFTS: <model>-<type_k>-<type_v>-shift.json; and llama-perplexity's
+saved log-probabilities (SHA-256) with quantized caches: perplexity.json.
 
 Settings are those of scripts/record_parity_fixtures.py (n_ctx 512, n_batch 512, logits
 for every prompt token, 2 threads, flash attention on: llama.cpp needs it for a quantized
@@ -27,7 +28,10 @@ does:
 import hashlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import llama_cpp
@@ -244,6 +248,45 @@ def record_shift(key, fname, tk, tv):
     del llm
 
 
+BIN = os.path.join(os.environ.get("RUSTORCH_CACHE", os.path.expanduser("~/.cache/rustorch")),
+                   "lcpp-build", "bin")
+# llama-perplexity with quantized caches and its default micro-batches (512): an f16 cache
+# would take llama.cpp's tiled flash attention for these 128-row sequences, a quantized one
+# does not, so the saved log-probabilities compare exactly
+PPL_TYPES = [("q8_0", "q8_0"), ("q4_0", "q4_0")]
+PPL_ARGS = ["-c", "128", "--chunks", "2", "-t", "2"]
+
+
+def record_perplexity():
+    """SHA-256 of llama-perplexity's --kl-divergence-base file (every scored position's
+    log-probabilities) and its final estimate, per pair of cache types."""
+    model = os.path.join(ROOT, "models", MODELS["smollm2"])
+    text = os.path.join(ROOT, "tests", "fixtures", "kld", "text.txt")
+    runs = []
+    for tk, tv in PPL_TYPES:
+        with tempfile.TemporaryDirectory() as d:
+            base = os.path.join(d, "base.bin")
+            r = subprocess.run(
+                [os.path.join(BIN, "llama-perplexity"), "-m", model, "-f", text] + PPL_ARGS
+                + ["-fa", "on", "-ctk", tk, "-ctv", tv, "--kl-divergence-base", base],
+                capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=BIN), check=True)
+            m = re.search(r"Final estimate: PPL = \S+ \+/- \S+", r.stderr)
+            assert m, r.stderr[-2000:]
+            runs.append({"type_k": tk, "type_v": tv, "base_sha256": sha256_file(base),
+                         "base_bytes": os.path.getsize(base), "final": m.group(0)})
+        print(f"perplexity K {tk} V {tv}: {runs[-1]['final']}", file=sys.stderr)
+    doc = {
+        "model": MODELS["smollm2"],
+        "text": "tests/fixtures/kld/text.txt",
+        "args": PPL_ARGS,
+        "llama_cpp": "llama-perplexity of llama-cpp-python 0.3.36's llama.cpp (scripts/build-llama-cpp.sh), "
+                     "-fa on, defaults otherwise (-b 2048, -ub 512)",
+        "runs": runs,
+    }
+    with open(os.path.join(OUT, "perplexity.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def main():
     if os.environ.get("LLAMA_ATTN_ROT_DISABLE"):
         sys.exit("unset LLAMA_ATTN_ROT_DISABLE: the fixtures record llama.cpp's default rotation")
@@ -258,6 +301,8 @@ def main():
     for k, tk, tv in SHIFTS:
         if k in keys:
             record_shift(k, MODELS[k], tk, tv)
+    if "smollm2" in keys:
+        record_perplexity()
 
 
 if __name__ == "__main__":

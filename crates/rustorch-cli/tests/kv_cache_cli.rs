@@ -144,3 +144,66 @@ fn bench_reports_the_cache_types() {
     assert_eq!(v[0]["type_k"], "q4_0");
     assert_eq!(v[0]["type_v"], "iq4_nl");
 }
+
+/// `rustorch perplexity -ctk/-ctv` writes log-probabilities byte-identical to
+/// llama-perplexity's (tests/fixtures/kv_quant/perplexity.json: SHA-256 of its
+/// `--kl-divergence-base` file) at llama.cpp's default micro-batch size: with a quantized
+/// cache its flash attention keeps the one-row algorithm for these 128-row sequences.
+#[test]
+fn perplexity_with_a_quantized_cache_equals_llama_perplexity() {
+    if !smol_present() {
+        return;
+    }
+    use sha2::{Digest, Sha256};
+    let fix: Value = serde_json::from_slice(
+        &std::fs::read(root().join("tests/fixtures/kv_quant/perplexity.json")).expect("fixture"),
+    )
+    .expect("json");
+    let dir =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("kvq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let args: Vec<String> = fix["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("arg").to_string())
+        .collect();
+    for run in fix["runs"].as_array().expect("runs") {
+        let (k, v) = (
+            run["type_k"].as_str().expect("type_k"),
+            run["type_v"].as_str().expect("type_v"),
+        );
+        let out = dir.join(format!("base-{k}-{v}.bin"));
+        let mut cmd: Vec<&str> = vec![
+            "perplexity",
+            "-m",
+            SMOL,
+            "-f",
+            "tests/fixtures/kld/text.txt",
+        ];
+        cmd.extend(args.iter().map(String::as_str));
+        cmd.extend(["-ctk", k, "-ctv", v, "--kl-divergence-base"]);
+        let out_s = out.to_string_lossy().into_owned();
+        cmd.push(&out_s);
+        let o = rustorch(&cmd);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let final_line = run["final"].as_str().expect("final");
+        let said = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+        assert!(said.contains(final_line), "K {k} V {v}: {said}");
+        let data = std::fs::read(&out).expect("base file");
+        assert_eq!(
+            data.len() as u64,
+            run["base_bytes"].as_u64().expect("bytes")
+        );
+        let sha: String = Sha256::digest(&data)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            sha,
+            run["base_sha256"].as_str().expect("sha"),
+            "K {k} V {v}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
