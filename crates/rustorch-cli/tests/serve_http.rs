@@ -1,7 +1,8 @@
 //! `rustorch serve` over raw HTTP (std `TcpStream`, no client library): health and
 //! loading, OpenAI error shapes for every bad input, authentication, the queue limit,
-//! a client disconnecting mid-stream, greedy output alone vs batched, and SIGTERM (the
-//! drain: 503s, then every request ended with a finish reason).
+//! a client disconnecting mid-stream, greedy output alone vs batched, SIGTERM (the
+//! drain: 503s, then every request ended with a finish reason), and tool calls as
+//! OpenAI's and Anthropic's wire formats write them.
 //!
 //! Each test starts the binary on a free loopback port (`--port 0`; the address is read
 //! from its stderr) with SmolLM2. Without the model (`scripts/fetch-models.sh`) the tests
@@ -1000,4 +1001,155 @@ fn a_model_that_does_not_load_exits_1() {
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("error:"), "{err}");
+}
+
+/// Tool calls on the wire: `message.tool_calls` and `finish_reason: "tool_calls"`, the
+/// same call streamed as `delta.tool_calls` (id, type and name first, then the arguments
+/// in pieces, no content), and Anthropic's `tool_use` block, streamed as
+/// `content_block_start` + `input_json_delta`s. SmolLM2's template has no tool support:
+/// the generic JSON format, forced by `tool_choice`.
+#[test]
+fn tool_calls_on_the_wire() {
+    let Some(s) = Server::start(&["-c", "2048", "-np", "1"]) else {
+        return;
+    };
+    let schema = json!({
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+        "additionalProperties": false,
+    });
+    let tools = json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city", "parameters": schema,
+    }}]);
+    let body = chat_body(
+        "What is the weather in Paris?",
+        json!({"tools": tools, "tool_choice": "required", "max_tokens": 40}),
+    );
+    let r = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let choice = r.json()["choices"][0].clone();
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    assert_eq!(choice["message"]["content"], Json::Null, "{choice}");
+    let calls = choice["message"]["tool_calls"]
+        .as_array()
+        .expect("calls")
+        .clone();
+    assert_eq!(calls.len(), 1, "{choice}");
+    assert!(calls[0]["id"]
+        .as_str()
+        .is_some_and(|i| i.starts_with("call_")));
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let arguments = calls[0]["function"]["arguments"]
+        .as_str()
+        .expect("arguments are a string")
+        .to_string();
+    let args: Json = serde_json::from_str(&arguments).expect("arguments are JSON");
+    assert!(args["city"].is_string(), "{args}");
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let r = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (mut streamed, mut pieces, mut finish, mut content) =
+        (String::new(), 0, None, String::new());
+    let mut started = false;
+    for data in sse_data(&r.body) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Json = serde_json::from_str(&data).expect("chunk");
+        let c = &chunk["choices"][0];
+        content.push_str(c["delta"]["content"].as_str().unwrap_or_default());
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            assert_eq!(tc.len(), 1, "{data}");
+            assert_eq!(tc[0]["index"], 0, "{data}");
+            if started {
+                assert!(tc[0].get("id").is_none(), "{data}");
+                assert!(tc[0]["function"].get("name").is_none(), "{data}");
+            } else {
+                // the first piece of a call names it
+                started = true;
+                assert!(tc[0]["id"].as_str().is_some_and(|i| i.starts_with("call_")));
+                assert_eq!(tc[0]["type"], "function", "{data}");
+                assert_eq!(tc[0]["function"]["name"], "get_weather", "{data}");
+            }
+            if let Some(a) = tc[0]["function"]["arguments"]
+                .as_str()
+                .filter(|a| !a.is_empty())
+            {
+                streamed.push_str(a);
+                pieces += 1;
+            }
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert_eq!(content, "", "call text leaked into content");
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    assert_eq!(streamed, arguments, "greedy: the same call streamed");
+    assert!(pieces > 1, "the arguments came in one piece");
+
+    // Anthropic
+    let body = json!({
+        "model": MODEL_NAME, "max_tokens": 40, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"name": "get_weather", "description": "Weather of a city", "input_schema": schema}],
+        "tool_choice": {"type": "any"},
+    });
+    let r = s.post_json("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let m = r.json();
+    assert_eq!(m["stop_reason"], "tool_use", "{m}");
+    let blocks = m["content"].as_array().expect("content").clone();
+    assert_eq!(blocks.len(), 1, "{m}");
+    assert_eq!(blocks[0]["type"], "tool_use");
+    assert!(blocks[0]["id"]
+        .as_str()
+        .is_some_and(|i| i.starts_with("toolu_")));
+    assert_eq!(blocks[0]["name"], "get_weather");
+    assert_eq!(
+        blocks[0]["input"], args,
+        "the same call as on the OpenAI endpoint"
+    );
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let r = s.post_json("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events: Vec<Json> = sse_data(&r.body)
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("event"))
+        .collect();
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(kinds.first(), Some(&"message_start"), "{kinds:?}");
+    assert_eq!(kinds.last(), Some(&"message_stop"), "{kinds:?}");
+    let starts: Vec<&Json> = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_start")
+        .collect();
+    assert_eq!(starts.len(), 1, "{kinds:?}");
+    assert_eq!(starts[0]["index"], 0);
+    assert_eq!(starts[0]["content_block"]["type"], "tool_use");
+    assert_eq!(starts[0]["content_block"]["input"], json!({}));
+    let json_text: String = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_delta")
+        .map(|e| {
+            assert_eq!(e["delta"]["type"], "input_json_delta", "{e}");
+            e["delta"]["partial_json"]
+                .as_str()
+                .expect("partial_json")
+                .to_string()
+        })
+        .collect();
+    let input: Json = serde_json::from_str(&json_text).expect("streamed input is JSON");
+    assert_eq!(input, args);
+    let delta = events
+        .iter()
+        .find(|e| e["type"] == "message_delta")
+        .expect("message_delta");
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use");
 }
