@@ -823,6 +823,56 @@ mod tests {
         assert_eq!(c.seq(2).unwrap().pos, vec![3, 4]);
     }
 
+    /// Quantized rows (keys and values of different widths) follow their cells through
+    /// copies and removals, and decode to what was written.
+    #[test]
+    fn quantized_rows_follow_their_cells() {
+        let types = KvTypes {
+            k: GgmlType::Q4_1,
+            v: GgmlType::Q8_0,
+        };
+        let (d, n_layer) = (64, 2);
+        let mut c = KvCache::with_types(n_layer, d, 32, 16, types).unwrap();
+        // 2 blocks of 20 and of 34 bytes, in 16-bit words
+        assert_eq!(c.row_words(), (20, 34));
+        let row = |p: u32, l: usize, s: f32| -> Vec<f32> {
+            (0..d)
+                .map(|i| s * ((i as f32 + 1.0) * (p as f32 + 1.0 + l as f32)).sin())
+                .collect()
+        };
+        for p in 0..5u32 {
+            let cell = c.add_cell(0, p);
+            for l in 0..n_layer {
+                c.write(0, cell, l, &row(p, l, 1.0), &row(p, l, -2.0));
+            }
+        }
+        let enc = |ty: GgmlType, x: &[f32]| {
+            let mut b = vec![0u8; row_bytes(ty, d)];
+            encode_row(ty, x, &mut b);
+            b
+        };
+        let check = |c: &KvCache, seq: SeqId, want: &[u32]| {
+            let (kw, vw) = c.row_words();
+            let s = c.seq(seq).unwrap();
+            assert_eq!(s.pos, want);
+            for l in 0..n_layer {
+                for (i, &p) in want.iter().enumerate() {
+                    let k = words_as_bytes(&s.k[l][i * kw..(i + 1) * kw]);
+                    let v = words_as_bytes(&s.v[l][i * vw..(i + 1) * vw]);
+                    assert_eq!(k, enc(types.k, &row(p, l, 1.0)), "key p {p} layer {l}");
+                    assert_eq!(v, enc(types.v, &row(p, l, -2.0)), "value p {p} layer {l}");
+                }
+            }
+        };
+        c.seq_cp_range(0, 1, Some(1), Some(4)).unwrap();
+        check(&c, 1, &[1, 2, 3]);
+        c.seq_rm(0, Some(1), Some(3));
+        check(&c, 0, &[0, 3, 4]);
+        assert_eq!(c.size_bytes(), (16 * 2 * 40, 16 * 2 * 68));
+        // a head size the blocks do not divide is refused
+        assert!(KvCache::with_types(1, 48, 48, 8, types).is_err());
+    }
+
     /// A store on the host, as a device store would be: one pool of slots per layer.
     struct Pool {
         kv_dim: usize,
