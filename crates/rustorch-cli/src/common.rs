@@ -142,6 +142,10 @@ pub struct DeviceArgs {
     /// KV cache type of the values (`-ctv`): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl
     #[arg(long = "cache-type-v", default_value = "f16")]
     pub cache_type_v: String,
+    /// Flash attention (`-fa`), accepted as llama.cpp takes it: on, auto (attention is always
+    /// computed as llama.cpp's CPU flash attention computes it; off is refused)
+    #[arg(long = "flash-attn", default_value = "auto")]
+    pub flash_attn: String,
 }
 
 impl Default for DeviceArgs {
@@ -151,6 +155,7 @@ impl Default for DeviceArgs {
             n_gpu_layers: None,
             cache_type_k: "f16".to_string(),
             cache_type_v: "f16".to_string(),
+            flash_attn: "auto".to_string(),
         }
     }
 }
@@ -159,6 +164,16 @@ impl DeviceArgs {
     /// The KV cache types `-ctk` / `-ctv` name; an unknown name is an error listing the
     /// valid ones.
     pub fn cache_types(&self) -> anyhow::Result<KvTypes> {
+        // checked here, where every command that takes these flags reads them
+        match self.flash_attn.trim().to_ascii_lowercase().as_str() {
+            "on" | "auto" | "1" | "true" | "enabled" => {}
+            "off" | "0" | "false" | "disabled" => bail!(
+                "-fa/--flash-attn {}: rustorch computes attention as llama.cpp's flash \
+                 attention only (on or auto)",
+                self.flash_attn
+            ),
+            other => bail!("-fa/--flash-attn {other}: expected on, off or auto"),
+        }
         let k = parse_kv_type(&self.cache_type_k)
             .map_err(|e| anyhow::anyhow!("-ctk/--cache-type-k: {e}"))?;
         let v = parse_kv_type(&self.cache_type_v)
@@ -167,8 +182,8 @@ impl DeviceArgs {
     }
 
     /// The placement these flags ask for, for a model of `n_layer` layers. `auto` without a
-    /// usable GPU is the CPU; an explicit `cuda` without one is an error naming what is
-    /// missing.
+    /// usable GPU, or with a KV cache type other than f16, is the CPU; an explicit `cuda`
+    /// without one is an error naming what is missing.
     pub fn placement(&self, n_layer: usize) -> anyhow::Result<Placement> {
         let d = self.device.trim().to_ascii_lowercase();
         let explicit = match d.as_str() {
@@ -198,6 +213,8 @@ impl DeviceArgs {
         match explicit {
             Some(p) => Ok(p),
             None if self.n_gpu_layers.is_some() => Ok(Placement::Cuda(0)),
+            // `auto` with a KV cache type the GPU backend does not keep (only f16) is the CPU
+            None if self.cache_types().is_ok_and(|t| !t.is_f16()) => Ok(Placement::Cpu),
             None => Ok(match rustorch_cuda::device_count() {
                 Ok(n) if n > 0 => Placement::Cuda(0),
                 _ => Placement::Cpu,

@@ -77,6 +77,9 @@ fn run_with_a_quantized_cache_prints_llama_cpp_s_continuation() {
             k,
             "-ctv",
             v,
+            // llama.cpp's flag, which it needs for a quantized V cache
+            "-fa",
+            "on",
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
         let got = String::from_utf8_lossy(&o.stdout).into_owned();
@@ -128,6 +131,13 @@ fn unknown_cache_types_are_errors_listing_the_valid_ones() {
         );
         assert!(!err.contains("panicked"), "{err}");
     }
+    let o = rustorch(&["run", "-p", "hi", "-fa", "off"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("flash attention only (on or auto)"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
