@@ -446,8 +446,8 @@ impl CudaDevice {
         let (nc, tpr_i) = (n_cols as i32, tpr as i32);
         if n_tok == 1 && arith().decode_kernels {
             // one token: a warp per row (gate and up rows together with `glu`)
-            for m in 0..n_out {
-                job.out[m] = outs[m].ptr();
+            for (slot, out) in job.out.iter_mut().zip(outs.iter()).take(n_out) {
+                *slot = out.ptr();
             }
             let rows: usize = if glu != 0 {
                 ws[0].n_rows
