@@ -138,8 +138,8 @@ fn micro_batches(
     loop {
         // the sequences taking part: consecutive ids from the first one with tokens left
         let mut seqs: Vec<usize> = Vec::new();
-        for s in 0..n_seqs {
-            if next[s] < len && seqs.last().is_none_or(|&l| s == l + 1) {
+        for (s, &at) in next.iter().enumerate() {
+            if at < len && seqs.last().is_none_or(|&l| s == l + 1) {
                 seqs.push(s);
                 if seqs.len() > n_ubatch {
                     break;

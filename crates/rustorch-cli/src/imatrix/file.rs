@@ -104,7 +104,9 @@ fn load_gguf(g: &GgufFile) -> anyhow::Result<Imatrix> {
     im.has_metadata = datasets.is_some() && count.is_some() && size.is_some();
     im.chunk_count = count.and_then(Value::as_u64).unwrap_or(0) as i32;
     im.chunk_size = size.and_then(Value::as_u64).unwrap_or(0) as i32;
-    let mut pairs: BTreeMap<String, (Option<Vec<f32>>, Option<Vec<f32>>)> = BTreeMap::new();
+    // name -> (sums, counts), each once found
+    type Pair = (Option<Vec<f32>>, Option<Vec<f32>>);
+    let mut pairs: BTreeMap<String, Pair> = BTreeMap::new();
     for t in g.tensors() {
         let (name, is_sums) = if let Some(n) = t.name.strip_suffix(".in_sum2") {
             (n, true)
