@@ -12,7 +12,24 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
     __shared__ double sm[32];
     const size_t base = (size_t)blockIdx.x * n;
     double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    // the first 4 values of each thread (all of them up to 4 * blockDim) stay in registers
+    // with their weights, loaded together, so the second pass waits on no memory
+    float xv[4], wv[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) {
+            float v = x[base + i];
+            wv[k] = w[i];
+            if (y != 0) {
+                v = v + y[base + i];
+                x[base + i] = v;
+            }
+            xv[k] = v;
+            s += (double)__fmul_rn(v, v);
+        }
+    }
+    for (int i = threadIdx.x + 4 * blockDim.x; i < n; i += blockDim.x) {
         float v = x[base + i];
         if (y != 0) {
             v = v + y[base + i];
@@ -35,10 +52,21 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
     const float mean = (float)(sm[0] / (double)n);
     const float scale = 1.0f / sqrtf(mean + eps);
     const int ng = n >> 5;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    // (i < n is the same for a whole warp: n and blockDim are multiples of 32 when quant)
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) {
+            const float o = __fmul_rn(__fmul_rn(xv[k], scale), wv[k]);
+            out[base + i] = o;
+            if (quant)  // the warp holds block i / 32
+                quantize_lane(o, aq, base + i, &ads[(size_t)blockIdx.x * ng + (i >> 5)], cpu);
+        }
+    }
+    for (int i = threadIdx.x + 4 * blockDim.x; i < n; i += blockDim.x) {
         const float o = __fmul_rn(__fmul_rn(x[base + i], scale), w[i]);
         out[base + i] = o;
-        if (quant)  // the warp holds block i / 32 (n and blockDim are multiples of 32)
+        if (quant)
             quantize_lane(o, aq, base + i, &ads[(size_t)blockIdx.x * ng + (i >> 5)], cpu);
     }
 }

@@ -465,6 +465,32 @@ __device__ __forceinline__ float mmvq_row1(const u8 *__restrict__ wr, const i8 *
     return warp_sum(acc);
 }
 
+// Two rows of one format against the same activations in one walk (gate and up): both
+// rows' loads are in flight together instead of one row's after the other's.
+template <class F>
+__device__ __forceinline__ float2 mmvq_row1x2(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
+                                              const i8 *__restrict__ aq,
+                                              const float2 *__restrict__ ads, int ng) {
+    const int lane = threadIdx.x & 31;
+    const int gpb = F::QK / 32;
+    float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll 2
+    for (int gi = lane; gi < ng; gi += 32) {
+        const size_t o = (size_t)(gi / gpb) * F::BYTES;
+        Group g0, g1;
+        F::decode(w0 + o, gi % gpb, g0);
+        F::decode(w1 + o, gi % gpb, g1);
+        const int4 *a = (const int4 *)aq + 2 * gi;
+        const float2 ad = ads[gi];
+        a0 += group_dot<F>(g0, a, ad);
+        a1 += group_dot<F>(g1, a, ad);
+    }
+    float2 r;
+    r.x = warp_sum(a0);
+    r.y = warp_sum(a1);
+    return r;
+}
+
 template <class F>
 __device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq,
                                       const float2 *__restrict__ ads, int n_cols) {
@@ -479,12 +505,14 @@ __device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq
     if (wi >= n_rows) return;  // the whole warp: no block barrier follows
     const int ng = n_cols >> 5;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
-    const float x = mmvq_row1<F>(j.w[m] + (size_t)wi * row_bytes, aq, ads, ng);
     if (!j.glu) {
+        const float x = mmvq_row1<F>(j.w[m] + (size_t)wi * row_bytes, aq, ads, ng);
         if ((threadIdx.x & 31) == 0) j.out[m][wi] = x;
         return;
     }
-    const float up = mmvq_row1<F>(j.w[1] + (size_t)wi * row_bytes, aq, ads, ng);
+    const float2 xu =
+        mmvq_row1x2<F>(j.w[0] + (size_t)wi * row_bytes, j.w[1] + (size_t)wi * row_bytes, aq, ads, ng);
+    const float x = xu.x, up = xu.y;
     if ((threadIdx.x & 31) == 0) {
         float g;
         if (j.glu == 1) {
