@@ -9,8 +9,10 @@ writes OUTDIR/synthetic-<arch>.gguf for each ARCH (default: all of them) and pri
 each file's size and sha256. Architectures: llama (Llama-3 `rope_freqs` factors),
 qwen3 (Q/K norm), qwen3moe (router + top-k experts), gemma2 (attention and
 final-logit soft-capping, alternating sliding window, tied output), phi3 (fused
-attn_qkv, gate+up fused in ffn_up) and gemma3 (Q/K norm, five sliding layers and one
-global, separate RoPE base for the sliding ones, tied Q8_0 output).
+attn_qkv, gate+up fused in ffn_up), gemma3 (Q/K norm, five sliding layers and one
+global, separate RoPE base for the sliding ones, tied Q8_0 output) and gpt-oss
+(attention sinks, YaRN RoPE, biases everywhere, alternating sliding window, biased
+MoE with MXFP4 experts and clamped SwiGLU).
 
 Every model is a pure function of its architecture's seed, the vocab GGUF and the
 versions of numpy (Generator stream) and gguf-py (writer layout, Q8_0 rounding): the
@@ -182,13 +184,14 @@ class Model:
     def f32(self, template: str, value: float) -> None:
         self.key(template, float(value), VT.FLOAT32)
 
-    def common_hparams(self, *, rms_eps: float, rope_base: float, n_layer: int = N_LAYER) -> None:
+    def common_hparams(self, *, rms_eps: float, rope_base: float, n_layer: int = N_LAYER,
+                       n_ctx: int = N_CTX, n_ff: int = N_FF, n_head: int = N_HEAD) -> None:
         K = gguf.Keys
-        self.u32(K.LLM.CONTEXT_LENGTH, N_CTX)
+        self.u32(K.LLM.CONTEXT_LENGTH, n_ctx)
         self.u32(K.LLM.EMBEDDING_LENGTH, N_EMBD)
         self.u32(K.LLM.BLOCK_COUNT, n_layer)
-        self.u32(K.LLM.FEED_FORWARD_LENGTH, N_FF)
-        self.u32(K.Attention.HEAD_COUNT, N_HEAD)
+        self.u32(K.LLM.FEED_FORWARD_LENGTH, n_ff)
+        self.u32(K.Attention.HEAD_COUNT, n_head)
         self.u32(K.Attention.HEAD_COUNT_KV, N_HEAD_KV)
         self.f32(K.Rope.FREQ_BASE, rope_base)
         self.f32(K.Attention.LAYERNORM_RMS_EPS, rms_eps)
@@ -203,10 +206,10 @@ class Model:
     def normal(self, shape: tuple[int, ...], std: float) -> np.ndarray:
         return self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
-    def add(self, tensor: T, bid: int | None, data: np.ndarray, qtype: QT) -> None:
+    def add(self, tensor: T, bid: int | None, data: np.ndarray, qtype: QT, suffix: str = "weight") -> None:
         """data in numpy order (rows last-but-one, columns last: ggml ne = reversed)."""
         data = np.ascontiguousarray(data, dtype=np.float32)
-        self.tensors.append((self.name(tensor, bid), gguf.quants.quantize(data, qtype), qtype))
+        self.tensors.append((self.name(tensor, bid, suffix), gguf.quants.quantize(data, qtype), qtype))
 
     def matrix(self, tensor: T, bid: int | None, rows: int, cols: int, std: float, qtype: QT) -> None:
         """A weight that maps `cols` inputs to `rows` outputs (ggml shape [cols, rows])."""
@@ -477,6 +480,76 @@ def build_gemma3(m: Model) -> None:
         m.gated_ffn(i, q)
         m.norm(T.FFN_POST_NORM, i, center=post_norm)
     m.norm(T.OUTPUT_NORM, None)
+
+
+@architecture("gpt-oss", seed=1007, file_type=gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+def build_gpt_oss(m: Model) -> None:
+    """gpt-oss: Q/K/V and output projections with biases, a learned attention-sink
+    logit per query head (attn_sinks, [n_head]), YaRN RoPE (NEOX), alternating
+    sliding-window (even layers, 16 tokens; llama.cpp's default pattern 2, no pattern
+    key, as the converter writes none) and full attention, a post-attention norm
+    before a biased mixture of experts: router with bias, top 4 of 8 experts by router
+    logit, their weights the softmax of the 4 chosen logits, each expert
+    swiglu_oai(h·Wgate + bg, h·Wup + bu) (llama.cpp's alpha 1.702, limit 7) then
+    ·Wdown + bd, with MXFP4 expert matrices; separate output matrix.
+
+    Shapes as gpt-oss has them, scaled down: 8 query heads over 2 KV heads of 32 (so the
+    query width, 256, differs from n_embd, 128), experts of 64. RoPE as gpt-oss-20b's
+    config: base 150000, YaRN factor 32 over an original context of 4096 (context length
+    131072); with 16 dimension pairs the YaRN ramp runs from pair 4 to pair 9, so
+    extrapolated, mixed and interpolated angles all occur, and cos/sin carry YaRN's
+    magnitude factor 1 + 0.1 ln 32. The converter's keys are written (feed_forward_length,
+    yarn_beta_fast/slow, which llama.cpp does not read: its defaults 32 and 1 are the
+    same). Sinks are N(2, 1.5), so that a sink beats every score in some heads and rows
+    and not in others; Q/K projections give scores of std about 2 after the YaRN factor.
+    Gate and up pre-activations have a std of about 3, so the clamps at 7 act on 1-2 percent
+    of them. F16 attention matrices, F32 router, norms, sinks and biases, Q8_0
+    embedding and output."""
+    K = gguf.Keys
+    n_head, n_expert, n_used, n_ff_exp = 8, 8, 4, 64
+    factor, orig_ctx = 32.0, 4096
+    m.common_hparams(rms_eps=1e-5, rope_base=150000.0, n_ctx=int(factor) * orig_ctx,
+                     n_ff=n_ff_exp, n_head=n_head)
+    m.u32(K.LLM.EXPERT_COUNT, n_expert)
+    m.u32(K.LLM.EXPERT_USED_COUNT, n_used)
+    m.u32(K.Attention.KEY_LENGTH, HEAD_DIM)
+    m.u32(K.Attention.VALUE_LENGTH, HEAD_DIM)
+    m.key(K.Rope.SCALING_TYPE, gguf.RopeScalingType.YARN.value, VT.STRING)
+    m.f32(K.Rope.SCALING_FACTOR, factor)
+    m.u32(K.Rope.SCALING_ORIG_CTX_LEN, orig_ctx)
+    m.f32(K.Rope.SCALING_YARN_BETA_FAST, 32.0)
+    m.f32(K.Rope.SCALING_YARN_BETA_SLOW, 1.0)
+    m.u32(K.Attention.SLIDING_WINDOW, 16)
+    m.u32(K.LLM.EXPERT_FEED_FORWARD_LENGTH, n_ff_exp)
+    mscale = 1.0 + 0.1 * math.log(factor)
+    q_dim, kv_dim = n_head * HEAD_DIM, N_HEAD_KV * HEAD_DIM
+    qk_std = qk_input_std(SCORE_STD / mscale**2)
+    act_std = 3.0  # gate and up pre-activations
+    # swiglu_oai of N(0, 3) gate and up values has an RMS of about 6.4 (numerically)
+    down_std = 1.0 / (6.4 * math.sqrt(n_ff_exp))
+    f16, mx = QT.F16, QT.MXFP4
+    m.embeddings(QT.Q8_0)
+    for i in range(N_LAYER):
+        m.norm(T.ATTN_NORM, i)
+        m.norm(T.ATTN_POST_NORM, i)
+        m.matrix(T.ATTN_Q, i, q_dim, N_EMBD, qk_std, f16)
+        m.add(T.ATTN_Q, i, m.normal((q_dim,), 0.5), QT.F32, suffix="bias")
+        m.matrix(T.ATTN_K, i, kv_dim, N_EMBD, qk_std, f16)
+        m.add(T.ATTN_K, i, m.normal((kv_dim,), 0.5), QT.F32, suffix="bias")
+        m.matrix(T.ATTN_V, i, kv_dim, N_EMBD, 1 / math.sqrt(N_EMBD), f16)
+        m.add(T.ATTN_V, i, m.normal((kv_dim,), 0.2), QT.F32, suffix="bias")
+        m.matrix(T.ATTN_OUT, i, N_EMBD, q_dim, 1 / math.sqrt(q_dim), f16)
+        m.add(T.ATTN_OUT, i, m.normal((N_EMBD,), 0.2), QT.F32, suffix="bias")
+        m.add(T.ATTN_SINKS, i, 2.0 + m.normal((n_head,), 1.5), QT.F32)
+        m.matrix(T.FFN_GATE_INP, i, n_expert, N_EMBD, ROUTER_STD / math.sqrt(N_EMBD), QT.F32)
+        m.add(T.FFN_GATE_INP, i, m.normal((n_expert,), 0.5), QT.F32, suffix="bias")
+        m.add(T.FFN_GATE_EXP, i, m.normal((n_expert, n_ff_exp, N_EMBD), act_std / math.sqrt(N_EMBD)), mx)
+        m.add(T.FFN_GATE_EXP, i, m.normal((n_expert, n_ff_exp), 1.0), QT.F32, suffix="bias")
+        m.add(T.FFN_DOWN_EXP, i, m.normal((n_expert, N_EMBD, n_ff_exp), down_std), mx)
+        m.add(T.FFN_DOWN_EXP, i, m.normal((n_expert, N_EMBD), 0.2), QT.F32, suffix="bias")
+        m.add(T.FFN_UP_EXP, i, m.normal((n_expert, n_ff_exp, N_EMBD), act_std / math.sqrt(N_EMBD)), mx)
+        m.add(T.FFN_UP_EXP, i, m.normal((n_expert, n_ff_exp), 1.0), QT.F32, suffix="bias")
+    m.output(QT.Q8_0)
 
 
 # ----------------------------------------------------------------------------

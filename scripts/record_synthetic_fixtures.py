@@ -2,7 +2,7 @@
 """Record llama.cpp reference outputs for the synthetic-model parity tests.
 
 The models are the random-weight GGUFs of scripts/make-synthetic-models.py (llama
-with Llama-3 rope factors, qwen3, qwen3moe, gemma2, phi3, gemma3). This script first
+with Llama-3 rope factors, qwen3, qwen3moe, gemma2, phi3, gemma3, gpt-oss). This script first
 rebuilds them into models/synthetic/ (they are deterministic), then, for each model and
 each of 4 prompts, stores llama.cpp's prompt tokens, its greedy continuation (32 tokens,
 stopping early only at an end-of-generation token), for every step the top-20
@@ -17,7 +17,7 @@ prompt). Output in tests/fixtures/synthetic/:
 A test rebuilds the model with make-synthetic-models.py, checks its sha256 against
 the JSON (a mismatch means a different numpy/gguf-py changed the bytes, not that the
 engine is wrong), and compares. The prompts are long enough, with the continuation,
-to cross the 16-token sliding window of gemma2 and gemma3; prompt 2 crosses it inside
+to cross the 16-token sliding window of gemma2, gemma3 and gpt-oss; prompt 2 crosses it inside
 the prompt batch.
 
 llama.cpp is used through the llama-cpp-python 0.3.36 bindings of the same sdist whose

@@ -253,7 +253,13 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
             Some(d) => {
                 let hp = rustorch_llm::HParams::from_gguf(&gguf).context("loading the model")?;
                 let n_ctx = if n_ctx == 0 { hp.n_ctx_train } else { n_ctx };
-                (d.placement(hp.n_layer)?, n_ctx)
+                let mut p = d.placement(hp.n_layer)?;
+                // `auto`: a model the GPU backend cannot run yet stays on the CPU
+                let auto = d.device.trim().eq_ignore_ascii_case("auto") && d.n_gpu_layers.is_none();
+                if auto && hp.cpu_only().is_some() {
+                    p = Placement::Cpu;
+                }
+                (p, n_ctx)
             }
             None => (Placement::Cpu, 0),
         };

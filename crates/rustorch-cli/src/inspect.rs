@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use rustorch_core::gguf::{GgufError, GgufFile, Value, ValueType};
 use rustorch_core::GgmlType;
+use rustorch_llm::Arch;
 use serde::Serialize;
 use serde_json::Value as Json;
 
@@ -176,6 +177,22 @@ struct Engine {
     expert_feed_forward_length: Option<usize>,
     attn_logit_softcap: Option<f32>,
     final_logit_softcap: Option<f32>,
+    /// How the chosen experts are weighted (when there are experts).
+    expert_gating: Option<&'static str>,
+    /// A learned logit per query head in every attention softmax (gpt-oss).
+    attention_sinks: Option<bool>,
+    /// YaRN RoPE scaling as the engine applies it.
+    rope_yarn: Option<Yarn>,
+}
+
+/// YaRN as the engine applies it: positions scaled by `1 / factor`, angles of the pairs
+/// from `ramp[0]` to `ramp[1]` mixed with the unscaled ones (unscaled below), cos and sin
+/// times `magnitude`.
+#[derive(Serialize)]
+struct Yarn {
+    factor: f32,
+    ramp: [f32; 2],
+    magnitude: f32,
 }
 
 impl Engine {
@@ -200,6 +217,17 @@ impl Engine {
             expert_feed_forward_length: (hp.n_expert > 0).then_some(hp.n_ff_exp),
             attn_logit_softcap: some(hp.attn_softcap),
             final_logit_softcap: some(hp.final_softcap),
+            expert_gating: (hp.n_expert > 0).then_some(if hp.arch == Arch::GptOss {
+                "softmax of the chosen experts' logits (biased router, clamped SwiGLU experts)"
+            } else {
+                "softmax of all logits, the chosen renormalised"
+            }),
+            attention_sinks: hp.attn_sinks.then_some(true),
+            rope_yarn: hp.rope.yarn.map(|y| Yarn {
+                factor: 1.0 / hp.rope.freq_scale,
+                ramp: y.corr_dims,
+                magnitude: y.mscale,
+            }),
         }
     }
 }
@@ -625,6 +653,21 @@ impl Report {
             extra.push((
                 "experts",
                 format!("{n}, {k} used per token, feed-forward {ff}"),
+            ));
+            if let Some(g) = e.expert_gating {
+                extra.push(("expert weights", g.to_string()));
+            }
+        }
+        if e.attention_sinks == Some(true) {
+            extra.push(("attention sinks", "a learned logit per head".to_string()));
+        }
+        if let Some(y) = &e.rope_yarn {
+            extra.push((
+                "rope scaling",
+                format!(
+                    "yarn, factor {}, ramp over dimension pairs {}..{}, magnitude {}",
+                    y.factor, y.ramp[0], y.ramp[1], y.magnitude
+                ),
             ));
         }
         if let Some(c) = e.attn_logit_softcap {

@@ -168,6 +168,7 @@ const ROPE: Rope = Rope {
     n_rot: HD,
     freq_base: 10000.0,
     freq_scale: 1.0,
+    yarn: None,
 };
 
 /// One forward step; returns the logits of the rows in `out_rows`.

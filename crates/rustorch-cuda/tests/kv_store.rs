@@ -44,6 +44,7 @@ fn device_store_mirrors_the_host_cache() {
             n_rot: HEAD_DIM - 4,
             freq_base: 10000.0,
             freq_scale: 1.0,
+            yarn: None,
         };
         let freqs: Vec<f32> = (0..rope.n_rot / 2).map(|i| 1.0 + (i % 3) as f32).collect();
         let rotate = |row: &mut [f32], delta: i64| {

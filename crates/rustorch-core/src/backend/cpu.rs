@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::sync::Mutex;
 
-use super::{AttnSpec, Backend, BackendError, Device, Glu, Moe, Rows, WeightRef};
+use super::{AttnSpec, Backend, BackendError, BiasedMoe, Device, Glu, Moe, Rows, WeightRef};
 use crate::kernels::attn::{self, GroupQuery, HeadAttn};
 use crate::kernels::attn_q::{self, KvRows, QuantAttn};
 use crate::kernels::ops::{self, rms_norm, Rope};
@@ -141,6 +141,102 @@ impl<'a> Cpu<'a> {
             matmul_reference(&m, x, out)?;
         } else {
             matmul(self.pool, &m, x, out, &mut self.qa[0])?;
+        }
+        Ok(())
+    }
+}
+
+/// An expert's gated activation.
+#[derive(Clone, Copy)]
+enum ExpertAct {
+    /// `silu(gate) ⊙ up` ([`gexp::swiglu`]).
+    Silu,
+    /// gpt-oss's clamped SwiGLU ([`ops::swiglu_oai`]).
+    SwigluOai { alpha: f32, limit: f32 },
+}
+
+/// The experts of a mixture: matrices, biases (gate, up, down; a row per expert) and
+/// activation.
+struct Experts<'w> {
+    gate: &'w [WeightRef],
+    up: &'w [WeightRef],
+    down: &'w [WeightRef],
+    biases: Option<[&'w Vec<f32>; 3]>,
+    act: ExpertAct,
+}
+
+impl Cpu<'_> {
+    /// `out[t] = Σ_slot weights[t·k + slot] · expert(x[t])` over the experts `picked` for
+    /// row `t`, summed in slot order: each expert over the rows routed to it, one row at a
+    /// time (llama.cpp's `mul_mat_id` takes its single-row kernels), `+ bias` after each
+    /// product (`ggml_add_id`).
+    fn run_experts(
+        &mut self,
+        ex: &Experts<'_>,
+        x: &[f32],
+        picked: &[usize],
+        weights: &[f32],
+        k: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let Some(first) = ex.down.first() else {
+            return Err(BackendError::Device("a mixture without experts".into()));
+        };
+        let e = first.n_rows;
+        let n = picked.len() / k.max(1);
+        if let Some(o) = self.observer {
+            o.expert_product(ex.gate, picked, k, x, false);
+            o.expert_product(ex.up, picked, k, x, false);
+        }
+        // the down products' inputs, one row per (token, slot), for the observer
+        let mut down_in = Vec::new();
+        if self.observer.is_some() {
+            down_in = vec![0f32; n * k * first.n_cols];
+        }
+        let bias = |b: Option<&Vec<f32>>, e: usize, len: usize, v: &mut [f32]| {
+            if let Some(b) = b {
+                add_into(v, &b[e * len..(e + 1) * len]);
+            }
+        };
+        let [bg, bu, bd] = match ex.biases {
+            Some([g, u, d]) => [Some(g), Some(u), Some(d)],
+            None => [None; 3],
+        };
+        let mut slots: Vec<Vec<f32>> = vec![Vec::new(); n * k];
+        let (mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, (wg, (wu, wd))) in ex.gate.iter().zip(ex.up.iter().zip(ex.down)).enumerate() {
+            let n_ff = wg.n_rows;
+            for (i, _) in picked.iter().enumerate().filter(|&(_, &p)| p == id) {
+                let xr = &x[(i / k) * wg.n_cols..(i / k + 1) * wg.n_cols];
+                self.mm(wg, xr, &mut g)?;
+                bias(bg, id, n_ff, &mut g);
+                self.mm(wu, xr, &mut u)?;
+                bias(bu, id, n_ff, &mut u);
+                match ex.act {
+                    ExpertAct::Silu => gexp::swiglu(isa(), &mut g, &u, n_ff),
+                    ExpertAct::SwigluOai { alpha, limit } => {
+                        ops::swiglu_oai(&mut g, &u, alpha, limit)
+                    }
+                }
+                if !down_in.is_empty() {
+                    down_in[i * g.len()..(i + 1) * g.len()].copy_from_slice(&g);
+                }
+                self.mm(wd, &g, &mut d)?;
+                bias(bd, id, e, &mut d);
+                let wt = weights[i];
+                slots[i] = d.iter().map(|&v| v * wt).collect();
+            }
+        }
+        if let Some(o) = self.observer {
+            o.expert_product(ex.down, picked, k, &down_in, true);
+        }
+        let out = resized(out, n * e);
+        for t in 0..n {
+            let o = &mut out[t * e..(t + 1) * e];
+            o.copy_from_slice(&slots[t * k]);
+            for s in 1..k {
+                add_into(o, &slots[t * k + s]);
+            }
         }
         Ok(())
     }
@@ -316,45 +412,55 @@ impl<'a> Backend for Cpu<'a> {
                 }
             }
         }
-        if let Some(o) = self.observer {
-            o.expert_product(moe.gate, &picked, k, x, false);
-            o.expert_product(moe.up, &picked, k, x, false);
-        }
-        // the down products' inputs, one row per (token, slot), for the observer
-        let mut down_in = Vec::new();
-        if self.observer.is_some() {
-            down_in = vec![0f32; n * k * moe.down.first().map_or(0, |d| d.n_cols)];
-        }
-        // each expert over the rows routed to it, one row at a time: llama.cpp's
-        // mul_mat_id takes the single-row kernels for these formats
-        let mut slots: Vec<Vec<f32>> = vec![Vec::new(); n * k];
-        let (mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new());
-        for ex in 0..n_expert {
-            for (i, _) in picked.iter().enumerate().filter(|&(_, &p)| p == ex) {
-                let xr = &x[(i / k) * e..(i / k + 1) * e];
-                self.mm(&moe.gate[ex], xr, &mut g)?;
-                self.mm(&moe.up[ex], xr, &mut u)?;
-                gexp::swiglu(isa(), &mut g, &u, moe.gate[ex].n_rows);
-                if !down_in.is_empty() {
-                    down_in[i * g.len()..(i + 1) * g.len()].copy_from_slice(&g);
-                }
-                self.mm(&moe.down[ex], &g, &mut d)?;
-                let wt = weights[i];
-                slots[i] = d.iter().map(|&v| v * wt).collect();
-            }
-        }
-        if let Some(o) = self.observer {
-            o.expert_product(moe.down, &picked, k, &down_in, true);
-        }
-        let out = resized(out, n * e);
+        let experts = Experts {
+            gate: moe.gate,
+            up: moe.up,
+            down: moe.down,
+            biases: None,
+            act: ExpertAct::Silu,
+        };
+        self.run_experts(&experts, x, &picked, &weights, k, out)
+    }
+
+    fn moe_biased(
+        &mut self,
+        moe: &BiasedMoe<'_, WeightRef, Vec<f32>>,
+        x: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let n_expert = moe.router.n_rows;
+        let n = x.len() / moe.router.n_cols;
+        let k = moe.n_used;
+        // router logits plus bias; each row's experts by logit, in descending order
+        // (ggml_argsort_top_k), weighted by the softmax of their logits
+        let mut logits = Vec::new();
+        self.observe(moe.router, x);
+        self.mm(moe.router, x, &mut logits)?;
+        self.add_bias(&mut logits, moe.router_bias);
+        let mut picked = vec![0usize; n * k];
+        let mut weights = vec![0f32; n * k];
         for t in 0..n {
-            let o = &mut out[t * e..(t + 1) * e];
-            o.copy_from_slice(&slots[t * k]);
-            for s in 1..k {
-                add_into(o, &slots[t * k + s]);
+            let l = &logits[t * n_expert..(t + 1) * n_expert];
+            let mut order: Vec<usize> = (0..n_expert).collect();
+            order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
+            let w = &mut weights[t * k..(t + 1) * k];
+            for (s, &ex) in order[..k].iter().enumerate() {
+                picked[t * k + s] = ex;
+                w[s] = l[ex];
             }
+            ops::soft_max(w);
         }
-        Ok(())
+        let experts = Experts {
+            gate: moe.gate,
+            up: moe.up,
+            down: moe.down,
+            biases: Some([moe.gate_bias, moe.up_bias, moe.down_bias]),
+            act: ExpertAct::SwigluOai {
+                alpha: moe.alpha,
+                limit: moe.limit,
+            },
+        };
+        self.run_experts(&experts, x, &picked, &weights, k, out)
     }
 
     fn add(&mut self, x: &mut Vec<f32>, y: &Vec<f32>) {
@@ -455,10 +561,63 @@ impl<'a> Backend for Cpu<'a> {
             );
         }
         let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
-        attention(self.pool, self.native_f16, spec, rows, cache, q, out);
+        attention(self.pool, self.native_f16, spec, rows, cache, q, None, out);
         if let Some(n) = v_rot {
             ops::fwht(out, n);
         }
+    }
+
+    fn attention_sinks(
+        &mut self,
+        spec: &AttnSpec,
+        rows: Rows<'_>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        cache: &mut KvCache,
+        cells: &[usize],
+        sinks: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let types = cache.types();
+        let float = |t| matches!(t, GgmlType::F16 | GgmlType::F32);
+        if !float(types.k) || !float(types.v) {
+            return Err(BackendError::Device(format!(
+                "attention sinks need an f16 or f32 KV cache, not K {} / V {}",
+                types.k.name(),
+                types.v.name()
+            )));
+        }
+        if sinks.len() != spec.n_head {
+            return Err(BackendError::Device(format!(
+                "{} attention sinks for {} heads",
+                sinks.len(),
+                spec.n_head
+            )));
+        }
+        // float caches: no Hadamard rotation, rows stored as they are
+        let kvd = cache.kv_dim();
+        for (i, &cell) in cells.iter().enumerate() {
+            cache.write(
+                rows.seq_ids[i],
+                cell,
+                spec.layer,
+                &k[i * kvd..(i + 1) * kvd],
+                &v[i * kvd..(i + 1) * kvd],
+            );
+        }
+        let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
+        attention(
+            self.pool,
+            self.native_f16,
+            spec,
+            rows,
+            cache,
+            q,
+            Some(&sinks[..]),
+            out,
+        );
+        Ok(())
     }
 
     fn keep_rows(&mut self, x: &mut Vec<f32>, width: usize, rows: &[usize]) {
@@ -545,6 +704,7 @@ struct SeqRows<'a> {
 /// of values is accumulated in an f16 vector, rescaled whenever a new maximum appears;
 /// quantized cache types take [`attn_q`] (the query in the key type's vec-dot format,
 /// quantized values accumulated in f32).
+#[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
     native_f16: bool,
@@ -552,6 +712,7 @@ fn attention(
     rows: Rows<'_>,
     cache: &KvCache,
     q: &[f32],
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     let (hd, kvd) = (spec.head_dim, cache.kv_dim());
@@ -666,6 +827,15 @@ fn attention(
             softcap: spec.softcap,
             native_f16,
         };
+        if let Some(sinks) = sinks {
+            // each query's head's sink; the one-row algorithm at every batch size (from 64
+            // query rows on llama.cpp's tiled one adds the sinks in its own float order)
+            let per_query: Vec<f32> = (t0..t1)
+                .flat_map(|_| sinks[head0..head0 + heads_per_task].iter().copied())
+                .collect();
+            attn::attend_group_sinks(isa, &kv, &mut queries, &per_query);
+            return;
+        }
         // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on; we
         // count the rows of this sequence only, so that a request's output does not depend
         // on what else shares the batch (for one sequence this is llama.cpp's rule)

@@ -88,6 +88,27 @@ pub struct Moe<'a, M> {
     pub norm: bool,
 }
 
+/// gpt-oss's mixture of experts (llama.cpp's `build_moe_ffn` with biases,
+/// `SOFTMAX_WEIGHT` gating and `swiglu_oai`): router logits `x·router + router_bias`, the
+/// `n_used` experts with the largest logits, their weights the softmax of those logits, and
+/// each expert `(swiglu_oai(x·gate_e + gate_bias_e, x·up_e + up_bias_e))·down_e +
+/// down_bias_e` with `swiglu_oai(g, u) = min(g, limit)·σ(alpha·min(g, limit))·(clamp(u,
+/// ±limit) + 1)`. The expert biases hold one row per expert, back to back.
+pub struct BiasedMoe<'a, M, V> {
+    /// `n_expert` rows: one router logit per expert.
+    pub router: &'a M,
+    pub router_bias: &'a V,
+    pub gate: &'a [M],
+    pub gate_bias: &'a V,
+    pub up: &'a [M],
+    pub up_bias: &'a V,
+    pub down: &'a [M],
+    pub down_bias: &'a V,
+    pub n_used: usize,
+    pub alpha: f32,
+    pub limit: f32,
+}
+
 /// The long-lived half of a backend: turns GGUF weights into the device's representation.
 pub trait Device: Send + Sync {
     /// A weight matrix in its GGUF format.
@@ -164,6 +185,20 @@ pub trait Backend {
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
+    /// gpt-oss's biased mixture of experts (see [`BiasedMoe`]), the experts summed in the
+    /// router's order. Backends without it answer with an error.
+    fn moe_biased(
+        &mut self,
+        moe: &BiasedMoe<'_, <Self::Dev as Device>::Mat, <Self::Dev as Device>::Vector>,
+        x: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        let _ = (moe, x, out);
+        Err(BackendError::Device(
+            "this backend has no biased mixture of experts (gpt-oss)".into(),
+        ))
+    }
+
     /// `x = x + y`.
     fn add(&mut self, x: &mut Self::Buf, y: &Self::Buf);
 
@@ -202,6 +237,28 @@ pub trait Backend {
         cells: &[usize],
         out: &mut Self::Buf,
     );
+
+    /// [`Backend::attention`] with attention sinks (gpt-oss): `sinks` holds a logit per query
+    /// head that joins that head's softmax without a value, so the weights of the cells sum
+    /// to less than 1. Backends without it answer with an error.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks(
+        &mut self,
+        spec: &AttnSpec,
+        rows: Rows<'_>,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        cache: &mut KvCache,
+        cells: &[usize],
+        sinks: &<Self::Dev as Device>::Vector,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        let _ = (spec, rows, q, k, v, cache, cells, sinks, out);
+        Err(BackendError::Device(
+            "this backend has no attention sinks (gpt-oss)".into(),
+        ))
+    }
 
     /// Keeps rows `rows` (rows of `width` values), in that order, dropping the others.
     fn keep_rows(&mut self, x: &mut Self::Buf, width: usize, rows: &[usize]);

@@ -12,7 +12,10 @@
 //! * the accumulator update `acc += v · vs` and the scaling are native f16 operations on
 //!   blocks of 128 elements (one rounding of the exact result, `vs` rounded to f16 first) and
 //!   f32 fused multiply-adds rounded to f16 for the rest;
-//! * the running sum is `S = fma(S, ms, vs)`, and the output is `f32(acc) · (1 / S)`.
+//! * the running sum is `S = fma(S, ms, vs)`, and the output is `f32(acc) · (1 / S)`;
+//! * with an attention sink (gpt-oss: a logit `s` per head that joins the softmax without a
+//!   value), after the last cell: if `s > M`, the f32 accumulator is scaled by
+//!   `ms = expf(M - s)` and `S = S · ms + 1` (not fused), else `S = S + expf(s - M)`.
 //!
 //! llama.cpp switches to other algorithms for batches of 64 or more queries (tiled) and for
 //! single-token decoding over 512 or more cache cells (split over threads); those are not
@@ -73,12 +76,17 @@ pub struct GroupQuery<'a> {
 /// Writes the attention output of one head to `out` (`q.len()` values; zeros when no cell
 /// is visible).
 pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
+    attend_head_sink(isa, h, None, out)
+}
+
+/// [`attend_head`] with an optional attention sink (see the module documentation).
+fn attend_head_sink(isa: Isa, h: &HeadAttn<'_>, sink: Option<f32>, out: &mut [f32]) {
     let hd = h.q.len();
     debug_assert_eq!(out.len(), hd);
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && hd < 128 && hd.is_multiple_of(16) {
         // SAFETY: the family was detected; `hd` is a multiple of 16 below 128.
-        unsafe { x86::attend_head_regs(h, out) };
+        unsafe { x86::attend_head_regs(h, sink, out) };
         return;
     }
     // head sizes up to 256 live on the stack (no allocation per head and token)
@@ -92,23 +100,25 @@ pub fn attend_head(isa: Isa, h: &HeadAttn<'_>, out: &mut [f32]) {
         (&mut q_heap[..], &mut acc_heap[..])
     };
     f32_to_f16_row(h.q, q16);
-    let inv = online_softmax(
+    let (post, inv) = online_softmax(
         isa,
         h,
         q16,
         acc,
         |acc, ms| scale_f16(isa, h.native_f16, acc, ms),
         |acc, v, vs| mad_f16(isa, h.native_f16, acc, v, vs),
+        sink,
     );
     for (o, &a) in out.iter_mut().zip(acc.iter()) {
-        *o = f16_to_f32(a) * inv;
+        *o = f16_to_f32(a) * post * inv;
     }
 }
 
 /// The online-softmax walk of [`attend_head`] over the cells visible to `h`'s query (`q16`,
 /// already rounded): per cell the score, then `rescale(acc, ms)` on a new maximum and
-/// `add(acc, value_row, vs)`, and the running sum `S = fma(S, ms, vs)`. Returns `1 / S`
-/// (0 when no cell is visible).
+/// `add(acc, value_row, vs)`, and the running sum `S = fma(S, ms, vs)`; then the sink, if
+/// any. Returns the factor of the (f32) accumulator the sink asks for (1 without one, or when
+/// it is not a new maximum) and `1 / S` (0 when the sum is 0).
 #[inline(always)]
 fn online_softmax<A: ?Sized>(
     isa: Isa,
@@ -117,7 +127,8 @@ fn online_softmax<A: ?Sized>(
     acc: &mut A,
     mut rescale: impl FnMut(&mut A, f32),
     mut add: impl FnMut(&mut A, &[u16], f32),
-) -> f32 {
+    sink: Option<f32>,
+) -> (f32, f32) {
     let hd = q16.len();
     let mut m = f32::NEG_INFINITY;
     let mut sum = 0f32;
@@ -134,11 +145,18 @@ fn online_softmax<A: ?Sized>(
         add(acc, &h.v[base..base + hd], vs);
         sum = sum.mul_add(ms, vs);
     }
-    if sum == 0.0 {
-        0.0
-    } else {
-        1.0 / sum
+    let mut post = 1.0;
+    if let Some(s) = sink {
+        if s > m {
+            post = (m - s).exp();
+            // two roundings: the build does not contract this one (its branches are
+            // specialised for `vs = 1`)
+            sum = sum * post + 1.0;
+        } else {
+            sum += (s - m).exp();
+        }
     }
+    (post, if sum == 0.0 { 0.0 } else { 1.0 / sum })
 }
 
 /// One step of the online softmax for a new score `s` against the running maximum `m`:
@@ -168,6 +186,24 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
             ..*h
         };
         attend_head(isa, &one, gq.out);
+    }
+}
+
+/// [`attend_group`] with attention sinks: `sinks[i]` is query `i`'s sink logit.
+pub fn attend_group_sinks(
+    isa: Isa,
+    h: &HeadAttn<'_>,
+    queries: &mut [GroupQuery<'_>],
+    sinks: &[f32],
+) {
+    for (gq, &s) in queries.iter_mut().zip(sinks) {
+        let one = HeadAttn {
+            q: gq.q,
+            min_pos: gq.min_pos,
+            max_pos: gq.max_pos,
+            ..*h
+        };
+        attend_head_sink(isa, &one, Some(s), gq.out);
     }
 }
 
@@ -326,14 +362,18 @@ mod x86 {
     /// AVX-512F must be available; `h.q.len()` is a multiple of 16 below 128 and equals
     /// `out.len()`.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_head_regs(h: &super::HeadAttn<'_>, out: &mut [f32]) {
+    pub(super) unsafe fn attend_head_regs(
+        h: &super::HeadAttn<'_>,
+        sink: Option<f32>,
+        out: &mut [f32],
+    ) {
         let hd = h.q.len();
         let nv = hd / 16;
         let mut q16 = [0u16; 128];
         super::f32_to_f16_row(h.q, &mut q16[..hd]);
         let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
         let mut acc = [_mm512_setzero_ps(); 7];
-        let inv = super::online_softmax(
+        let (post, inv) = super::online_softmax(
             super::Isa::Avx512,
             h,
             &q16[..hd],
@@ -353,10 +393,12 @@ mod x86 {
                     *a = round(_mm512_fmadd_ps(x, vv, *a));
                 }
             },
+            sink,
         );
-        let iv = _mm512_set1_ps(inv);
+        let (pv, iv) = (_mm512_set1_ps(post), _mm512_set1_ps(inv));
         for (i, a) in acc.iter().take(nv).enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(*a, iv));
+            let a = _mm512_mul_ps(*a, pv);
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(a, iv));
         }
     }
 
@@ -457,6 +499,28 @@ mod tests {
                 let mut got = vec![0f32; hd];
                 attend_head(isa, &h, &mut got);
                 assert_eq!(got, want, "{isa:?} hd {hd} native f16 {native}");
+            }
+            // sinks below and above every score, and with no visible cell
+            for (sink, max_pos) in [(-30.0f32, 30), (30.0, 30), (0.5, 30), (0.5, 3)] {
+                let h = HeadAttn {
+                    max_pos,
+                    min_pos: if max_pos == 3 { 7 } else { h.min_pos },
+                    ..h
+                };
+                let mut want = vec![0f32; hd];
+                attend_head_sink(Isa::Scalar, &h, Some(sink), &mut want);
+                for &isa in &isas {
+                    let mut got = vec![0f32; hd];
+                    attend_head_sink(isa, &h, Some(sink), &mut got);
+                    assert_eq!(got, want, "{isa:?} hd {hd} sink {sink}");
+                }
+                if sink == 30.0 {
+                    // a sink far above every score takes almost all the weight
+                    assert!(want.iter().all(|v| v.abs() < 1e-6), "{want:?}");
+                }
+                if max_pos == 3 {
+                    assert!(want.iter().all(|&v| v == 0.0));
+                }
             }
         }
     }

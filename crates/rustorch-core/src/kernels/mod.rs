@@ -20,6 +20,7 @@ mod fdot;
 pub mod float_mm;
 mod fmt;
 pub mod gexp;
+mod mxfp4;
 pub mod ops;
 mod pool;
 mod q4k_ggml;
@@ -192,6 +193,9 @@ pub fn matmul_with(
     if float_mm::is_float(w.ty) {
         float_mm::matmul_float(pool, isa, w, x, out);
         return Ok(());
+    }
+    if w.ty == GgmlType::MXFP4 {
+        return mxfp4::matmul(pool, isa, w, x, out, qa);
     }
     if !has_kernel(w.ty) {
         return matmul_dequant(pool, w, x, out);

@@ -35,19 +35,117 @@ pub struct Rope {
     pub freq_base: f32,
     /// Linear scaling: positions are multiplied by this (1 / scaling factor).
     pub freq_scale: f32,
+    /// YaRN's corrections of the scaled angles (`rope.scaling.type` `yarn`), if any.
+    pub yarn: Option<Yarn>,
+}
+
+/// YaRN (llama.cpp's `rope_yarn` in ggml-cpu): pair `i`'s angle mixes the interpolated angle
+/// `freq_scale·θ` and the extrapolated one `θ` by a ramp over the pairs between
+/// `corr_dims[0]` and `corr_dims[1]` (`θ` alone below, `freq_scale·θ` above), and cos and
+/// sin are multiplied by `mscale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    /// How much of the extrapolated angle the ramp mixes in (llama.cpp's
+    /// `yarn_ext_factor`: 1 for YaRN models).
+    pub ext_factor: f32,
+    /// The ramp's first and last pair (`ggml_rope_yarn_corr_dims`).
+    pub corr_dims: [f32; 2],
+    /// The magnitude factor of cos and sin: llama.cpp's `yarn_attn_factor` times
+    /// `1 + 0.1·ln(1 / freq_scale)` (ggml-cpu's fused multiply-add).
+    pub mscale: f32,
+}
+
+impl Yarn {
+    /// llama.cpp's YaRN for `n_rot` rotated dimensions of a layer with base `freq_base`
+    /// whose positions are scaled by `freq_scale`, trained on an original context of
+    /// `n_ctx_orig` (`rope.scaling.original_context_length`), with `attn_factor` from
+    /// [`Yarn::attn_factor`] and llama.cpp's defaults `yarn_beta_fast` 32, `yarn_beta_slow`
+    /// 1 and `yarn_ext_factor` 1 (it reads none of them from the file). f32 arithmetic as
+    /// ggml's: the correction dimensions in ggml-base, the magnitude in ggml-cpu (whose
+    /// build contracts it into a fused multiply-add).
+    pub fn new(
+        n_rot: usize,
+        freq_base: f32,
+        freq_scale: f32,
+        n_ctx_orig: u32,
+        attn_factor: f32,
+    ) -> Self {
+        let (beta_fast, beta_slow, ext_factor) = (32.0f32, 1.0f32, 1.0f32);
+        // ggml_rope_yarn_corr_dim(n_dims, n_ctx_orig, n_rot, base)
+        let corr_dim = |beta: f32| {
+            n_rot as f32 * (n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * freq_base.ln())
+        };
+        let start = corr_dim(beta_fast).floor();
+        let end = corr_dim(beta_slow).ceil();
+        let last = n_rot as f32 - 1.0;
+        let corr_dims = [
+            if 0.0 > start { 0.0 } else { start },
+            if last < end { last } else { end },
+        ];
+        // rope_yarn: mscale *= 1 + 0.1·logf(1 / freq_scale)
+        let mscale = attn_factor * 0.1f32.mul_add((1.0f32 / freq_scale).ln(), 1.0);
+        Yarn {
+            ext_factor,
+            corr_dims,
+            mscale,
+        }
+    }
+
+    /// llama.cpp's `yarn_attn_factor` for a model whose positions are scaled by
+    /// `freq_scale` (1 / `rope.scaling.factor`), times `rope_attn_factor`
+    /// (`rope.scaling.attn_factor`, 1 by default): `llama_context`'s
+    /// `get_mscale(factor) · (1 / (1 + 0.1·ln factor))` in f32 (that library is built
+    /// without fused multiply-adds), which cancels the magnitude `rope_yarn` applies up to
+    /// rounding.
+    pub fn attn_factor(freq_scale: f32, rope_attn_factor: f32) -> f32 {
+        let factor = 1.0f32 / freq_scale;
+        let get_mscale = if factor <= 1.0 {
+            1.0
+        } else {
+            0.1f32 * factor.ln() + 1.0
+        };
+        get_mscale * (1.0f32 / (1.0 + 0.1f32 * factor.ln())) * rope_attn_factor
+    }
+
+    /// The angle of pair `i` from its extrapolated angle `theta_extrap` (`θ`) and
+    /// interpolated angle `theta_interp` (`freq_scale·θ`): `rope_yarn`'s ramp and mix.
+    #[inline]
+    fn mix(&self, i: usize, theta_extrap: f32, theta_interp: f32) -> f32 {
+        if self.ext_factor == 0.0 {
+            return theta_interp;
+        }
+        let [low, high] = self.corr_dims;
+        let d = high - low;
+        let y = (i as f32 - low) / if 0.001f32 > d { 0.001 } else { d };
+        // MIN(1, MAX(0, y)), NaN included
+        let ramp_mix = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+        theta_interp.mul_add(1.0 - ramp_mix, theta_extrap * ramp_mix)
+    }
 }
 
 impl Rope {
     /// Fills `cos`/`sin` (`n_rot / 2` each) for position `pos`. The angle of pair `i` is
-    /// `pos * base^(-2i/n_rot)`, computed by repeated multiplication in f32 like ggml.
+    /// `pos * base^(-2i/n_rot)`, computed by repeated multiplication in f32 like ggml,
+    /// divided by the pair's frequency factor and scaled by `freq_scale` (with YaRN: mixed
+    /// with the unscaled angle, and cos and sin multiplied by its magnitude factor).
     pub fn angles(&self, pos: f32, freq_factors: Option<&[f32]>, cos: &mut [f32], sin: &mut [f32]) {
         let theta_scale = self.freq_base.powf(-2.0 / self.n_rot as f32);
         let mut theta = pos;
         for i in 0..self.n_rot / 2 {
             let ff = freq_factors.map_or(1.0, |f| f[i]);
             let t = self.freq_scale * (theta / ff);
-            cos[i] = t.cos();
-            sin[i] = t.sin();
+            match &self.yarn {
+                None => {
+                    cos[i] = t.cos();
+                    sin[i] = t.sin();
+                }
+                Some(y) => {
+                    let t = y.mix(i, theta / ff, t);
+                    cos[i] = t.cos() * y.mscale;
+                    sin[i] = t.sin() * y.mscale;
+                }
+            }
             theta *= theta_scale;
         }
     }
@@ -125,6 +223,25 @@ pub fn silu(x: f32) -> f32 {
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = silu(*g) * *u;
+    }
+}
+
+/// gpt-oss's clamped SwiGLU (ggml's `swiglu_oai`, element-wise, scalar in ggml-cpu):
+/// `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+/// `gate = g / (1 + expf(alpha · -g)) · (u + 1)`.
+pub fn swiglu_oai(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        // std::min(x, limit) and std::clamp(y, -limit, limit), NaN handling included
+        let x = if limit < *g { limit } else { *g };
+        let y = if u < -limit {
+            -limit
+        } else if limit < u {
+            limit
+        } else {
+            u
+        };
+        let glu = x / (1.0 + (alpha * -x).exp());
+        *g = glu * (y + 1.0);
     }
 }
 

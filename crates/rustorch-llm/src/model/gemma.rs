@@ -140,7 +140,9 @@ impl<D: Device> Gemma<D> {
                     rope: if local { &hp.rope_swa } else { &hp.rope },
                     qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
                     q_scale: Some(self.attn_scale),
+                    sinks: None,
                     wo: &l.wo,
+                    wo_bias: None,
                 },
             )?;
             if il + 1 == n_layer {

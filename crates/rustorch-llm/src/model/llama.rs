@@ -165,7 +165,9 @@ impl<D: Device> Llama<D> {
                     rope: &hp.rope,
                     qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
                     q_scale: None,
+                    sinks: None,
                     wo: &l.wo,
+                    wo_bias: None,
                 },
             )?;
             if il + 1 == n_layer {

@@ -2,6 +2,7 @@
 //! memory-mapped file, and the architectures that run them.
 
 mod gemma;
+mod gpt_oss;
 mod llama;
 mod ops;
 mod phi3;
@@ -12,7 +13,7 @@ use rustorch_core::backend::cpu::{Cpu, CpuAngles, CpuDevice};
 pub use rustorch_core::backend::cpu::{ProductObserver, TensorHook};
 use rustorch_core::backend::{AttnSpec, BackendError, Device, Rows, WeightRef};
 use rustorch_core::gguf::{GgufError, GgufFile, TensorInfo};
-use rustorch_core::kernels::ops::{Rope, RopeMode};
+use rustorch_core::kernels::ops::{Rope, RopeMode, Yarn};
 use rustorch_core::kernels::ThreadPool;
 use rustorch_core::quant::{self, QuantError};
 use rustorch_core::GgmlType;
@@ -40,12 +41,15 @@ pub enum Arch {
     Gemma2,
     /// Gemma 3: GeGLU, post-norms, Q/K norm, sliding-window layers with their own RoPE base
     Gemma3,
+    /// gpt-oss: biased attention with sinks, YaRN RoPE, alternating windows, biased MoE
+    /// with clamped SwiGLU experts
+    GptOss,
 }
 
 impl Arch {
     /// Every architecture name this engine runs, as GGUF files spell them.
     pub const NAMES: &'static [&'static str] = &[
-        "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3",
+        "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
     ];
 
     pub fn from_name(name: &str) -> Option<Self> {
@@ -57,6 +61,7 @@ impl Arch {
             "phi3" => Some(Arch::Phi3),
             "gemma2" => Some(Arch::Gemma2),
             "gemma3" => Some(Arch::Gemma3),
+            "gpt-oss" => Some(Arch::GptOss),
             _ => None,
         }
     }
@@ -92,6 +97,8 @@ pub struct HParams {
     pub n_expert: usize,
     pub n_expert_used: usize,
     pub n_ff_exp: usize,
+    /// Attention sinks: a learned logit per query head in every softmax (gpt-oss).
+    pub attn_sinks: bool,
 }
 
 impl HParams {
@@ -125,6 +132,18 @@ impl HParams {
     }
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
+    }
+
+    /// What the CUDA backend lacks to run this model, if anything (such a model runs on
+    /// the CPU only).
+    pub fn cpu_only(&self) -> Option<&'static str> {
+        if self.arch == Arch::GptOss {
+            Some("attention sinks, biased MXFP4 experts or YaRN RoPE")
+        } else if self.rope.yarn.is_some() {
+            Some("YaRN RoPE")
+        } else {
+            None
+        }
     }
 }
 
@@ -172,6 +191,10 @@ pub enum ModelError {
         v: &'static str,
         device: String,
     },
+    #[error(
+        "{arch} runs on the CPU only for now: the CUDA backend has no {what} (use --device cpu)"
+    )]
+    CpuOnly { arch: String, what: &'static str },
     #[error(transparent)]
     Quant(#[from] QuantError),
     #[error(transparent)]
@@ -312,8 +335,22 @@ impl<D: Device> Loader<'_, D> {
 
     /// A 1-D tensor decoded to f32 on the host.
     pub fn host_vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+        self.host_rows(name, &[n as u64])
+    }
+
+    /// A 2-D tensor of `rows` rows of `n` values (ggml shape `[n, rows]`, e.g. a bias per
+    /// expert), decoded to f32 as one vector, on the device.
+    pub fn vector_rows(&self, name: &str, n: usize, rows: usize) -> Result<D::Vector, ModelError> {
+        Ok(self
+            .dev
+            .vector(self.host_rows(name, &[n as u64, rows as u64])?)?)
+    }
+
+    /// The tensor `name` of ggml shape `dims`, decoded to f32 on the host.
+    fn host_rows(&self, name: &str, dims: &[u64]) -> Result<Vec<f32>, ModelError> {
         let t = self.info(name)?;
-        self.check_shape(t, &[n as u64])?;
+        self.check_shape(t, dims)?;
+        let n = dims.iter().product::<u64>() as usize;
         let mut out = vec![0f32; n];
         quant::dequantize(t.ty, self.gguf.tensor_data(t), &mut out).map_err(|_| {
             ModelError::UnsupportedType {
@@ -373,12 +410,14 @@ impl HParams {
             None => 10000.0,
         };
         let mut freq_scale = 1.0f32;
+        let mut yarn = false;
         if let Ok(kind) = g.get_str(&k("rope.scaling.type")) {
-            if kind == "linear" {
+            if kind == "linear" || kind == "yarn" {
                 let f = g.get_f32(&k("rope.scaling.factor"))?;
                 if f > 0.0 {
                     freq_scale = 1.0 / f;
                 }
+                yarn = kind == "yarn";
             }
         }
         let n_vocab = match g.get_string_array("tokenizer.ggml.tokens") {
@@ -390,38 +429,69 @@ impl HParams {
             _ => RopeMode::Neox,
         };
         let n_layer = hp_u32(g, &k("block_count"))?;
-        let rope = Rope {
-            mode,
-            n_rot,
-            freq_base,
-            freq_scale,
-        };
+        let n_ctx_train = hp_u32(g, &k("context_length"))?;
         let f32_or = |key: &str, default: f32| -> Result<f32, ModelError> {
             match g.get(&k(key)) {
                 Some(_) => Ok(g.get_f32(&k(key))?),
                 None => Ok(default),
             }
         };
+        // YaRN (llama.cpp applies it to any architecture whose file asks for it): the
+        // attention factor of the whole model, each layer's ramp from its own base and scale
+        let yarn_attn = Yarn::attn_factor(freq_scale, f32_or("rope.scaling.attn_factor", 1.0)?);
+        let n_ctx_orig = hp_opt_u32(g, &k("rope.scaling.original_context_length"))?
+            .filter(|&n| n > 0)
+            .unwrap_or(n_ctx_train) as u32;
+        let yarn_for = |base: f32, scale: f32| {
+            yarn.then(|| Yarn::new(n_rot, base, scale, n_ctx_orig, yarn_attn))
+        };
+        let rope = Rope {
+            mode,
+            n_rot,
+            freq_base,
+            freq_scale,
+            yarn: yarn_for(freq_base, freq_scale),
+        };
         // Sliding windows (llama.cpp's standard SWA): a window size and a layer pattern
         // whose every n-th layer attends globally.
         let (n_swa, default_pattern, rope_swa) = match arch {
-            Arch::Gemma2 => (
-                hp_opt_u32(g, &k("attention.sliding_window"))?.unwrap_or(4096),
-                2,
-                Rope {
-                    freq_base: f32_or("rope.freq_base_swa", freq_base)?,
-                    ..rope
-                },
-            ),
-            Arch::Gemma3 => (
-                hp_opt_u32(g, &k("attention.sliding_window"))?.unwrap_or(0),
-                6,
-                Rope {
-                    freq_base: f32_or("rope.freq_base_swa", 10000.0)?,
-                    freq_scale: 1.0,
-                    ..rope
-                },
-            ),
+            Arch::Gemma2 => {
+                let base = f32_or("rope.freq_base_swa", freq_base)?;
+                (
+                    hp_opt_u32(g, &k("attention.sliding_window"))?.unwrap_or(4096),
+                    2,
+                    Rope {
+                        freq_base: base,
+                        yarn: yarn_for(base, freq_scale),
+                        ..rope
+                    },
+                )
+            }
+            Arch::Gemma3 => {
+                let base = f32_or("rope.freq_base_swa", 10000.0)?;
+                (
+                    hp_opt_u32(g, &k("attention.sliding_window"))?.unwrap_or(0),
+                    6,
+                    Rope {
+                        freq_base: base,
+                        freq_scale: 1.0,
+                        yarn: yarn_for(base, 1.0),
+                        ..rope
+                    },
+                )
+            }
+            Arch::GptOss => {
+                let base = f32_or("rope.freq_base_swa", freq_base)?;
+                (
+                    hp_u32(g, &k("attention.sliding_window"))?,
+                    2,
+                    Rope {
+                        freq_base: base,
+                        yarn: yarn_for(base, freq_scale),
+                        ..rope
+                    },
+                )
+            }
             _ => (0, 0, rope),
         };
         let swa_layers = if n_swa == 0 {
@@ -442,7 +512,12 @@ impl HParams {
             Arch::Gemma3 => (0.0, f32_or("final_logit_softcapping", 0.0)?),
             _ => (0.0, 0.0),
         };
-        let n_ff = hp_u32(g, &k("feed_forward_length"))?;
+        let n_ff = match hp_opt_u32(g, &k("feed_forward_length"))? {
+            Some(v) => v,
+            // gpt-oss has experts only; llama.cpp does not need the key
+            None if arch == Arch::GptOss => 0,
+            None => hp_u32(g, &k("feed_forward_length"))?,
+        };
         let n_expert = hp_opt_u32(g, &k("expert_count"))?.unwrap_or(0);
         let n_expert_used = hp_opt_u32(g, &k("expert_used_count"))?.unwrap_or(0);
         if n_expert > 0 && (n_expert_used == 0 || n_expert_used > n_expert) {
@@ -456,11 +531,17 @@ impl HParams {
             None if n_expert_used > 0 => n_ff / n_expert_used,
             None => 0,
         };
+        if arch == Arch::GptOss && n_expert == 0 {
+            return Err(ModelError::BadHParam {
+                key: k("expert_count"),
+                reason: "gpt-oss needs experts".into(),
+            });
+        }
         Ok(HParams {
             arch,
             arch_name: arch_name.clone(),
             n_vocab,
-            n_ctx_train: hp_u32(g, &k("context_length"))?,
+            n_ctx_train,
             n_embd,
             n_layer,
             n_head,
@@ -477,6 +558,7 @@ impl HParams {
             n_expert,
             n_expert_used,
             n_ff_exp,
+            attn_sinks: arch == Arch::GptOss,
         })
     }
 }
@@ -595,6 +677,7 @@ enum Graph<D: Device> {
     Llama(llama::Llama<D>),
     Gemma(gemma::Gemma<D>),
     Phi3(phi3::Phi3<D>),
+    GptOss(gpt_oss::GptOss<D>),
 }
 
 impl<D: Device> Graph<D> {
@@ -605,6 +688,7 @@ impl<D: Device> Graph<D> {
             }
             Arch::Phi3 => Graph::Phi3(phi3::Phi3::load(ld, hp)?),
             Arch::Gemma2 | Arch::Gemma3 => Graph::Gemma(gemma::Gemma::load(ld, hp)?),
+            Arch::GptOss => Graph::GptOss(gpt_oss::GptOss::load(ld, hp)?),
         })
     }
 
@@ -616,6 +700,7 @@ impl<D: Device> Graph<D> {
             Graph::Llama(g) => g.forward(st),
             Graph::Gemma(g) => g.forward(st),
             Graph::Phi3(g) => g.forward(st),
+            Graph::GptOss(g) => g.forward(st),
         }
     }
 }
@@ -700,6 +785,12 @@ impl Model {
         .optional_vector("rope_freqs.weight", hp.rope.n_rot / 2)?;
         let placed = match placement {
             Placement::Cpu => Placed::Cpu(Box::new(On::load(&gguf, &hp, CpuDevice::default())?)),
+            Placement::Cuda(_) if hp.cpu_only().is_some() => {
+                return Err(ModelError::CpuOnly {
+                    arch: hp.arch_name.clone(),
+                    what: hp.cpu_only().unwrap_or_default(),
+                });
+            }
             Placement::Cuda(index) => {
                 let dev = CudaDevice::open(index)?;
                 let (free, total) = dev.mem_info()?;

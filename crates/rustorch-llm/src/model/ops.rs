@@ -130,11 +130,15 @@ pub(crate) struct Attention<'a, D: Device> {
     pub qk_norm: Option<(&'a D::Vector, &'a D::Vector)>,
     /// Multiply the queries by this after RoPE, before attention (gemma, phi3).
     pub q_scale: Option<f32>,
+    /// A logit per query head that joins its softmax without a value (gpt-oss).
+    pub sinks: Option<&'a D::Vector>,
     pub wo: &'a D::Mat,
+    /// Added to the output projection (gpt-oss).
+    pub wo_bias: Option<&'a D::Vector>,
 }
 
-/// `w.proj = attention(rope(norm(q)), rope(norm(k)), v) · Wo`, storing K/V in the cache, with
-/// llama.cpp's tensor names.
+/// `w.proj = attention(rope(norm(q)), rope(norm(k)), v) · Wo (+ bo)`, storing K/V in the
+/// cache, with llama.cpp's tensor names.
 pub(crate) fn attention<B: Backend>(
     be: &mut B,
     io: &mut Io<'_>,
@@ -163,18 +167,32 @@ pub(crate) fn attention<B: Backend>(
         be.hook("Qcur_scaled", il, &w.q);
     }
     // store k, v in the cache, then attend
-    be.attention(
-        &a.spec,
-        io.rows,
-        &w.q,
-        &w.k,
-        &w.v,
-        io.cache,
-        io.cells,
-        &mut w.attn,
-    );
+    match a.sinks {
+        None => be.attention(
+            &a.spec,
+            io.rows,
+            &w.q,
+            &w.k,
+            &w.v,
+            io.cache,
+            io.cells,
+            &mut w.attn,
+        ),
+        Some(sinks) => be.attention_sinks(
+            &a.spec,
+            io.rows,
+            &w.q,
+            &w.k,
+            &w.v,
+            io.cache,
+            io.cells,
+            sinks,
+            &mut w.attn,
+        )?,
+    }
     be.hook("kqv_out", il, &w.attn);
     be.matmul(a.wo, &w.attn, &mut w.proj)?;
+    add_bias(be, &mut w.proj, a.wo_bias);
     be.hook("attn_out", il, &w.proj);
     Ok(())
 }

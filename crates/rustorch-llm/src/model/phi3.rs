@@ -111,7 +111,9 @@ impl<D: Device> Phi3<D> {
                     rope: &hp.rope,
                     qk_norm: None,
                     q_scale: Some(1.0 / (hp.head_dim as f32).sqrt()),
+                    sinks: None,
                     wo: &l.wo,
+                    wo_bias: None,
                 },
             )?;
             if il + 1 == n_layer {
