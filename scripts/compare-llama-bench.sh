@@ -8,10 +8,15 @@
 # and decodes one token) and peak RSS of each bench process (/usr/bin/time).
 #
 #   scripts/compare-llama-bench.sh [-m MODEL]... [-p 512] [-n 128] [-t 2] [-r 5] [--rounds 2]
-#                                  [--json-dir DIR]
+#                                  [--json-dir DIR] [--llama-bench PATH] [--rustorch PATH]
+#                                  [--env VAR=VALUE]... [--no-load]
 #
 # llama.cpp is built with scripts/build-llama-cpp.sh when llama-bench is missing; rustorch
 # with `cargo build --release -p rustorch-cli` (CARGO_TARGET_DIR is honoured).
+# Per feature level: --llama-bench takes another llama-bench (e.g. one built with
+# GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF), --env sets variables for rustorch only
+# (e.g. RUSTORCH_ISA=avx2), --rustorch takes a prebuilt binary (no cargo build), --no-load
+# skips the load-time / RSS-at-load runs (the speed table only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +27,10 @@ t=2
 r=5
 rounds=2
 json_dir=""
+lbench=""
+ours=""
+ours_env=()
+do_load=1
 while [ $# -gt 0 ]; do
   case "$1" in
     -m) models+=("$2"); shift 2 ;;
@@ -31,7 +40,11 @@ while [ $# -gt 0 ]; do
     -r) r="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --json-dir) json_dir="$2"; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    --llama-bench) lbench="$2"; shift 2 ;;
+    --rustorch) ours="$2"; shift 2 ;;
+    --env) ours_env+=("$2"); shift 2 ;;
+    --no-load) do_load=0; shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -46,7 +59,13 @@ lbin="$cache/lcpp-build/bin"
 if [ ! -x "$lbin/llama-bench" ]; then
   scripts/build-llama-cpp.sh
 fi
-cargo build --release -p rustorch-cli >&2
+lbench="${lbench:-$lbin/llama-bench}"
+if [ -z "$ours" ]; then
+  cargo build --release -p rustorch-cli >&2
+  ours="${CARGO_TARGET_DIR:-target}/release/rustorch"
+fi
+# rustorch runs under `env` with --env's variables (none by default)
+ours_cmd=(env "${ours_env[@]}" "$ours")
 # llama.cpp's model load time, measured around llama_model_load_from_file
 src="$cache/llama_cpp_python-0.3.36/vendor/llama.cpp"
 loadtool="$cache/llama-load-time"
@@ -54,7 +73,6 @@ if [ ! -x "$loadtool" ] || [ scripts/llama-load-time.c -nt "$loadtool" ]; then
   cc -O2 -o "$loadtool" scripts/llama-load-time.c -I"$src/include" -I"$src/ggml/include" \
     -L"$lbin" -lllama -lggml -lggml-base -Wl,-rpath,"$lbin"
 fi
-ours="${CARGO_TARGET_DIR:-target}/release/rustorch"
 
 out="${json_dir:-$(mktemp -d)}"
 mkdir -p "$out"
@@ -76,32 +94,33 @@ for round in $(seq 1 "$rounds"); do
     m="${models[$i]}"
     [ -f "$m" ] || { echo "missing model $m" >&2; exit 1; }
     echo "round $round: $m" >&2
-    measure "$out/ours-$round-$i.json" "$ours" bench -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
-    measure "$out/lcpp-$round-$i.json" "$lbin/llama-bench" -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
+    measure "$out/ours-$round-$i.json" "${ours_cmd[@]}" bench -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
+    measure "$out/lcpp-$round-$i.json" "$lbench" -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
   done
 done
 
 # Load time: each tool's own figure (ours: open + parse + set up the model; llama.cpp:
 # llama-completion's "load time") and the wall time of a process that loads the model and
 # decodes one token (both tools), alternating, `loads` times per model.
-loads=5
+loads=$((5 * do_load))
 now_ns() { date +%s%N; }
 for i in "${!models[@]}"; do
   m="${models[$i]}"
   for k in $(seq 1 "$loads"); do
     t0=$(now_ns)
-    "$ours" bench -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > "$out/ours-load-$k-$i.json" 2> /dev/null
+    "${ours_cmd[@]}" bench -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > "$out/ours-load-$k-$i.json" 2> /dev/null
     t1=$(now_ns)
-    "$lbin/llama-bench" -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > /dev/null 2>&1
+    "$lbench" -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > /dev/null 2>&1
     t2=$(now_ns)
     echo "$(( (t1 - t0) / 1000 )) $(( (t2 - t1) / 1000 ))" > "$out/wall-load-$k-$i.txt"
     "$loadtool" "$m" > "$out/lcpp-load-$k-$i.txt" 2> /dev/null || echo nan > "$out/lcpp-load-$k-$i.txt"
   done
 done
 
-python3 - "$out" "$rounds" "${models[@]}" <<'EOF'
+python3 - "$out" "$rounds" "$lbench" "${models[@]}" <<'EOF'
 import json, os, statistics, sys
-out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+out, rounds, lbench, models = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+isas = set()
 def load(path):
     with open(path) as f:
         return json.load(f)
@@ -117,6 +136,7 @@ for i, m in enumerate(models):
                 key = f"pp{rec['n_prompt']}" if rec["n_gen"] == 0 else f"tg{rec['n_gen']}"
                 dst.setdefault(key, []).extend(rec["samples_ts"])
                 if name == "ours":
+                    isas.add(rec.get("isa", "?"))
                     file_size, kv = rec["file_size"], max(kv, rec["kv_cache_bytes"])
             try:
                 rss.append(int(open(base + ".rss").read().split()[-1]) * 1024)
@@ -153,5 +173,6 @@ print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 for name, ol, ll, wo, wl, orss, lrss, budget in extra:
     print(f"| {name} | {ol:.1f} | {ll:.1f} | {wo:.0f} / {wl:.0f} | {orss / 2**20:.1f} | {lrss / 2**20:.1f} | {budget / 2**20:.1f} |")
 print()
-print(f"medians over {rounds} alternating rounds; raw JSON in {out}")
+print(f"medians over {rounds} alternating rounds; rustorch kernels: {', '.join(sorted(isas))}; "
+      f"llama-bench: {lbench}; raw JSON in {out}")
 EOF
