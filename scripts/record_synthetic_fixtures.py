@@ -13,6 +13,9 @@ prompt). Output in tests/fixtures/synthetic/:
     <arch>.json                  model path under models/, its sha256 (and the numpy and
                                  gguf-py versions that built it), the cases
     <arch>-case<N>-logits.f32    full first-step logits of prompt N
+    <arch>-kv.json               for the architectures in KV_TYPES: with each pair of
+                                 quantized KV cache types, the SHA-256 of the full logits
+                                 (little-endian f32) of 16 greedy steps per prompt
 
 A test rebuilds the model with make-synthetic-models.py, checks its sha256 against
 the JSON (a mismatch means a different numpy/gguf-py changed the bytes, not that the
@@ -67,6 +70,10 @@ PROMPTS = [
 
 N_PREDICT = 32
 TOP = 20
+
+# quantized KV caches (type_k, type_v) recorded per architecture, for 16 greedy steps
+KV_TYPES = {"gpt-oss": [("q8_0", "q8_0"), ("q4_0", "q8_0")]}
+KV_STEPS = 16
 
 
 def sha256(path):
@@ -139,6 +146,47 @@ def record(arch, path):
         json.dump(doc, f, separators=(",", ":"))
 
 
+def record_kv(arch, path):
+    """Per pair of KV_TYPES[arch]: for each prompt, the SHA-256 of the full logits of
+    KV_STEPS greedy steps (the prompt as one batch, then one token at a time)."""
+    ggml = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+    types = {}
+    for tk, tv in KV_TYPES[arch]:
+        llm = Llama(
+            model_path=path,
+            n_ctx=512,
+            n_batch=512,
+            n_threads=2,
+            logits_all=True,
+            flash_attn=True,
+            verbose=False,
+            type_k=ggml[tk],
+            type_v=ggml[tv],
+        )
+        cases = []
+        for prompt in PROMPTS:
+            llm.reset()
+            tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+            llm.eval(tokens)
+            steps = []
+            for _ in range(KV_STEPS):
+                logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+                steps.append(hashlib.sha256(logits.astype("<f4").tobytes()).hexdigest())
+                llm.eval([int(np.argmax(logits))])
+            cases.append({"tokens": list(map(int, tokens)), "steps": steps})
+        types[f"{tk}-{tv}"] = cases
+    doc = {
+        "model": os.path.relpath(path, os.path.join(ROOT, "models")),
+        "sha256": sha256(path),
+        "llama_cpp": "llama-cpp-python 0.3.36 vendored llama.cpp, flash_attn on, n_threads 2",
+        "avx512fp16": "avx512_fp16" in open("/proc/cpuinfo").read().split(),
+        "steps": KV_STEPS,
+        "types": types,
+    }
+    with open(os.path.join(OUT, f"{arch}-kv.json"), "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+
+
 def main():
     gen = load_generator()
     archs = sys.argv[1:] or list(gen.SPECS)
@@ -151,6 +199,8 @@ def main():
     for arch in archs:
         path = gen.build(arch, MODEL_DIR, tokenizer)
         record(arch, path)
+        if arch in KV_TYPES:
+            record_kv(arch, path)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use rustorch_core::gguf::GgufFile;
+use rustorch_llm::kv_cache::{parse_kv_type, KvTypes};
 use rustorch_llm::{Batch, Model, Runtime};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -253,4 +254,70 @@ fn gpt_oss_batch_equals_one_token_at_a_time() {
         "largest batch/one-at-a-time difference"
     );
     assert_eq!(flips, [31], "positions whose argmax differs");
+}
+
+/// gpt-oss with quantized KV caches (sinks with llama.cpp's Hadamard-rotated, quantized keys
+/// and values): 16 greedy steps per prompt, every step's full logits bit-identical to
+/// llama.cpp's (SHA-256 recorded by `scripts/record_synthetic_fixtures.py gpt-oss`).
+#[test]
+fn gpt_oss_quantized_kv_cache() {
+    let doc = fixture("gpt-oss");
+    let Some(mut model) = model("gpt-oss", &doc) else {
+        return;
+    };
+    let path = root().join("tests/fixtures/synthetic/gpt-oss-kv.json");
+    let kv: Value = serde_json::from_slice(&fs::read(path).expect("fixture")).expect("json");
+    assert_eq!(kv["sha256"], doc["sha256"], "the KV fixture's model");
+    let nv = model.hparams().n_vocab;
+    let mut rt = Runtime::new(2);
+    rt.native_f16 = kv["avx512fp16"].as_bool();
+    let types = kv["types"].as_object().expect("types");
+    assert_eq!(types.len(), 2);
+    for (name, cases) in types {
+        let (k, v) = name.split_once('-').expect("K-V");
+        let t = KvTypes {
+            k: parse_kv_type(k).expect("type"),
+            v: parse_kv_type(v).expect("type"),
+        };
+        model.set_cache_types(t).expect("cache types");
+        let mut differ = Vec::new();
+        let mut n_steps = 0;
+        for (ci, case) in cases.as_array().expect("cases").iter().enumerate() {
+            let tokens = ids(&case["tokens"]);
+            let mut cache = model.new_cache(512);
+            let mut logits = model
+                .forward(&Batch::from_prompt(&tokens, 0, 0, true), &mut cache, &rt)
+                .expect("prompt")
+                .last(nv)
+                .expect("logits")
+                .to_vec();
+            for (s, want) in case["steps"].as_array().expect("steps").iter().enumerate() {
+                let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let got: String = Sha256::digest(&bytes)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                n_steps += 1;
+                if want.as_str() != Some(got.as_str()) {
+                    differ.push((ci, s));
+                }
+                let mut b = Batch::new();
+                b.push(argmax(&logits) as u32, (tokens.len() + s) as u32, 0, true);
+                logits = model
+                    .forward(&b, &mut cache, &rt)
+                    .expect("decode")
+                    .last(nv)
+                    .expect("logits")
+                    .to_vec();
+            }
+        }
+        eprintln!(
+            "gpt-oss, KV {name}: {} of {n_steps} steps bit-identical",
+            n_steps - differ.len()
+        );
+        assert!(
+            differ.is_empty(),
+            "KV {name}: (case, step) differing: {differ:?}"
+        );
+    }
 }

@@ -166,6 +166,53 @@ struct Experts<'w> {
 }
 
 impl Cpu<'_> {
+    /// Stores each row's `k`/`v` in `cache`, then attends (with `sinks`, one logit per query
+    /// head, when given). A quantized cache type turns on llama.cpp's Hadamard rotation of
+    /// queries and keys (key type) and of values and the output (value type).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &mut self,
+        spec: &AttnSpec,
+        rows: Rows<'_>,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: &mut KvCache,
+        cells: &[usize],
+        sinks: Option<&[f32]>,
+        out: &mut Vec<f32>,
+    ) {
+        let kvd = cache.kv_dim();
+        let (k_rot, v_rot) = (cache.k_rot(), cache.v_rot());
+        let rotated = |x: &[f32], n: Option<usize>| {
+            n.map(|n| {
+                let mut r = x.to_vec();
+                ops::fwht(&mut r, n);
+                r
+            })
+        };
+        let (qr, kr, vr) = (rotated(q, k_rot), rotated(k, k_rot), rotated(v, v_rot));
+        let (q, k, v) = (
+            qr.as_deref().unwrap_or(q),
+            kr.as_deref().unwrap_or(k),
+            vr.as_deref().unwrap_or(v),
+        );
+        for (i, &cell) in cells.iter().enumerate() {
+            cache.write(
+                rows.seq_ids[i],
+                cell,
+                spec.layer,
+                &k[i * kvd..(i + 1) * kvd],
+                &v[i * kvd..(i + 1) * kvd],
+            );
+        }
+        let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
+        attention(self.pool, self.native_f16, spec, rows, cache, q, sinks, out);
+        if let Some(n) = v_rot {
+            ops::fwht(out, n);
+        }
+    }
+
     /// `out[t] = Σ_slot weights[t·k + slot] · expert(x[t])` over the experts `picked` for
     /// row `t`, summed in slot order: each expert over the rows routed to it, one row at a
     /// time (llama.cpp's `mul_mat_id` takes its single-row kernels), `+ bias` after each
@@ -534,37 +581,7 @@ impl<'a> Backend for Cpu<'a> {
         cells: &[usize],
         out: &mut Vec<f32>,
     ) {
-        let kvd = cache.kv_dim();
-        // a quantized cache type turns on llama.cpp's Hadamard rotation of queries and keys
-        // (key type) and of values and the output (value type)
-        let (k_rot, v_rot) = (cache.k_rot(), cache.v_rot());
-        let rotated = |x: &[f32], n: Option<usize>| {
-            n.map(|n| {
-                let mut r = x.to_vec();
-                ops::fwht(&mut r, n);
-                r
-            })
-        };
-        let (qr, kr, vr) = (rotated(q, k_rot), rotated(k, k_rot), rotated(v, v_rot));
-        let (q, k, v) = (
-            qr.as_deref().unwrap_or(q),
-            kr.as_deref().unwrap_or(k),
-            vr.as_deref().unwrap_or(v),
-        );
-        for (i, &cell) in cells.iter().enumerate() {
-            cache.write(
-                rows.seq_ids[i],
-                cell,
-                spec.layer,
-                &k[i * kvd..(i + 1) * kvd],
-                &v[i * kvd..(i + 1) * kvd],
-            );
-        }
-        let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
-        attention(self.pool, self.native_f16, spec, rows, cache, q, None, out);
-        if let Some(n) = v_rot {
-            ops::fwht(out, n);
-        }
+        self.attend(spec, rows, q, k, v, cache, cells, None, out);
     }
 
     fn attention_sinks(
@@ -579,15 +596,6 @@ impl<'a> Backend for Cpu<'a> {
         sinks: &Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let types = cache.types();
-        let float = |t| matches!(t, GgmlType::F16 | GgmlType::F32);
-        if !float(types.k) || !float(types.v) {
-            return Err(BackendError::Device(format!(
-                "attention sinks need an f16 or f32 KV cache, not K {} / V {}",
-                types.k.name(),
-                types.v.name()
-            )));
-        }
         if sinks.len() != spec.n_head {
             return Err(BackendError::Device(format!(
                 "{} attention sinks for {} heads",
@@ -595,28 +603,7 @@ impl<'a> Backend for Cpu<'a> {
                 spec.n_head
             )));
         }
-        // float caches: no Hadamard rotation, rows stored as they are
-        let kvd = cache.kv_dim();
-        for (i, &cell) in cells.iter().enumerate() {
-            cache.write(
-                rows.seq_ids[i],
-                cell,
-                spec.layer,
-                &k[i * kvd..(i + 1) * kvd],
-                &v[i * kvd..(i + 1) * kvd],
-            );
-        }
-        let out = resized(out, rows.positions.len() * spec.n_head * spec.head_dim);
-        attention(
-            self.pool,
-            self.native_f16,
-            spec,
-            rows,
-            cache,
-            q,
-            Some(&sinks[..]),
-            out,
-        );
+        self.attend(spec, rows, q, k, v, cache, cells, Some(sinks), out);
         Ok(())
     }
 
@@ -801,6 +788,12 @@ fn attention(
                 });
             }
         }
+        // each query's head's sink
+        let per_query: Option<Vec<f32>> = sinks.map(|sk| {
+            (t0..t1)
+                .flat_map(|_| sk[head0..head0 + heads_per_task].iter().copied())
+                .collect()
+        });
         let (Side::F16(k16), Side::F16(v16)) = (&sr.k, &sr.v) else {
             // a quantized type: llama.cpp's one-query-row algorithm at every batch size
             let kv = QuantAttn {
@@ -811,7 +804,10 @@ fn attention(
                 softcap: spec.softcap,
                 native_f16,
             };
-            attn_q::attend_group(isa, &kv, &mut queries);
+            match &per_query {
+                Some(sk) => attn_q::attend_group_sinks(isa, &kv, &mut queries, sk),
+                None => attn_q::attend_group(isa, &kv, &mut queries),
+            }
             return;
         };
         let kv = HeadAttn {
@@ -827,13 +823,10 @@ fn attention(
             softcap: spec.softcap,
             native_f16,
         };
-        if let Some(sinks) = sinks {
-            // each query's head's sink; the one-row algorithm at every batch size (from 64
-            // query rows on llama.cpp's tiled one adds the sinks in its own float order)
-            let per_query: Vec<f32> = (t0..t1)
-                .flat_map(|_| sinks[head0..head0 + heads_per_task].iter().copied())
-                .collect();
-            attn::attend_group_sinks(isa, &kv, &mut queries, &per_query);
+        if let Some(sk) = &per_query {
+            // the one-row algorithm at every batch size (from 64 query rows on llama.cpp's
+            // tiled one adds the sinks in its own float order)
+            attn::attend_group_sinks(isa, &kv, &mut queries, sk);
             return;
         }
         // llama.cpp's flash attention takes its tiled algorithm from 64 query rows on; we

@@ -12,6 +12,9 @@
 //! * f16 values go through the f16 accumulator of [`super::attn`]; quantized values are
 //!   decoded to f32 (`to_float`) and accumulated in f32: `acc *= ms` on a new maximum,
 //!   `acc = fma(v, vs, acc)` per element (`ggml_vec_scale_f32`, `ggml_vec_mad_f32`);
+//! * with attention sinks (gpt-oss), as in [`super::attn`]: a sink above the running maximum
+//!   scales the (f32) accumulator by `ms = expf(M - s)` and makes `S = S · ms + 1`, else
+//!   `S = S + expf(s - M)`;
 //! * the output is `acc · (1 / S)`.
 //!
 //! llama.cpp takes this algorithm for every batch and context size as soon as either type
@@ -61,13 +64,32 @@ pub struct QuantAttn<'a> {
 /// Each query of `queries` (heads of one KV group, tokens of one sequence) attending over
 /// `h`'s rows; queries with no visible cell get zeros.
 pub fn attend_group(isa: Isa, h: &QuantAttn<'_>, queries: &mut [GroupQuery<'_>]) {
+    attend_group_sinks_opt(isa, h, queries, None)
+}
+
+/// [`attend_group`] with attention sinks: `sinks[i]` is query `i`'s sink logit.
+pub fn attend_group_sinks(
+    isa: Isa,
+    h: &QuantAttn<'_>,
+    queries: &mut [GroupQuery<'_>],
+    sinks: &[f32],
+) {
+    attend_group_sinks_opt(isa, h, queries, Some(sinks))
+}
+
+fn attend_group_sinks_opt(
+    isa: Isa,
+    h: &QuantAttn<'_>,
+    queries: &mut [GroupQuery<'_>],
+    sinks: Option<&[f32]>,
+) {
     #[cfg(target_arch = "x86_64")]
     if matches!(isa, Isa::Avx2 | Isa::Avx512) {
         // SAFETY: the family (with FMA and F16C) was detected.
-        unsafe { attend_group_fma(isa, h, queries) };
+        unsafe { attend_group_fma(isa, h, queries, sinks) };
         return;
     }
-    attend_group_body(isa, h, queries);
+    attend_group_body(isa, h, queries, sinks);
 }
 
 /// [`attend_group_body`] compiled with FMA, so that its fused multiply-adds are single
@@ -77,12 +99,22 @@ pub fn attend_group(isa: Isa, h: &QuantAttn<'_>, queries: &mut [GroupQuery<'_>])
 /// AVX2, FMA and F16C must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_group_fma(isa: Isa, h: &QuantAttn<'_>, queries: &mut [GroupQuery<'_>]) {
-    attend_group_body(isa, h, queries);
+unsafe fn attend_group_fma(
+    isa: Isa,
+    h: &QuantAttn<'_>,
+    queries: &mut [GroupQuery<'_>],
+    sinks: Option<&[f32]>,
+) {
+    attend_group_body(isa, h, queries, sinks);
 }
 
 #[inline(always)]
-fn attend_group_body(isa: Isa, h: &QuantAttn<'_>, queries: &mut [GroupQuery<'_>]) {
+fn attend_group_body(
+    isa: Isa,
+    h: &QuantAttn<'_>,
+    queries: &mut [GroupQuery<'_>],
+    sinks: Option<&[f32]>,
+) {
     let Some(hd) = queries.first().map(|q| q.q.len()) else {
         return;
     };
@@ -205,16 +237,26 @@ fn attend_group_body(isa: Isa, h: &QuantAttn<'_>, queries: &mut [GroupQuery<'_>]
             }
             sum = sum.mul_add(ms, vs);
         }
+        // the sink, after the last cell (not fused: see `super::attn`)
+        let mut post = 1.0;
+        if let Some(s) = sinks.map(|s| s[i]) {
+            if s > m {
+                post = (m - s).exp();
+                sum = sum * post + 1.0;
+            } else {
+                sum += (s - m).exp();
+            }
+        }
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
         match h.v {
             KvRows::F16 { .. } => {
                 for (o, &a) in gq.out.iter_mut().zip(&acc16) {
-                    *o = f16_to_f32(a) * inv;
+                    *o = f16_to_f32(a) * post * inv;
                 }
             }
             KvRows::Quant { .. } => {
                 for (o, &a) in gq.out.iter_mut().zip(&acc32) {
-                    *o = a * inv;
+                    *o = a * post * inv;
                 }
             }
         }
