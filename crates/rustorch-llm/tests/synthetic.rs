@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use rustorch_core::gguf::GgufFile;
 use rustorch_llm::kv_cache::{parse_kv_type, KvTypes};
-use rustorch_llm::{Batch, Model, Runtime};
+use rustorch_llm::{Batch, Model, ModelError, Placement, Runtime};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -319,5 +319,28 @@ fn gpt_oss_quantized_kv_cache() {
             differ.is_empty(),
             "KV {name}: (case, step) differing: {differ:?}"
         );
+    }
+}
+
+/// The CUDA backend has none of gpt-oss's ops yet: placing it on a GPU is refused before any
+/// device is opened (so this runs anywhere), naming what is missing.
+#[test]
+fn gpt_oss_is_cpu_only() {
+    let doc = fixture("gpt-oss");
+    if model("gpt-oss", &doc).is_none() {
+        return;
+    }
+    let path = root().join("models/synthetic/synthetic-gpt-oss.gguf");
+    let gguf = Arc::new(GgufFile::open(&path).expect("open model"));
+    match Model::load_on(gguf, Placement::Cuda(0), 512) {
+        Err(e @ ModelError::CpuOnly { .. }) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("gpt-oss") && msg.contains("--device cpu"),
+                "{msg}"
+            );
+        }
+        Err(e) => panic!("expected CpuOnly, got {e}"),
+        Ok(_) => panic!("gpt-oss was placed on the GPU"),
     }
 }

@@ -332,3 +332,65 @@ pub fn fwht(x: &mut [f32], n: usize) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gpt-oss's YaRN (base 150000, factor 32 over 4096 positions) on 32 rotated
+    /// dimensions: the ramp runs over pairs 4..9; below it the angle is the unscaled one,
+    /// above it the scaled one, and cos/sin carry the magnitude `1 + 0.1 ln 32` up to the
+    /// rounding of llama.cpp's attention factor.
+    #[test]
+    fn yarn_ramp_and_magnitude() {
+        let scale = 1.0 / 32.0;
+        let y = Yarn::new(32, 150000.0, scale, 4096, Yarn::attn_factor(scale, 1.0));
+        assert_eq!(y.corr_dims, [4.0, 9.0]);
+        assert!(
+            (y.mscale - (1.0 + 0.1 * 32f32.ln())).abs() < 1e-6,
+            "{}",
+            y.mscale
+        );
+        let rope = Rope {
+            mode: RopeMode::Neox,
+            n_rot: 32,
+            freq_base: 150000.0,
+            freq_scale: scale,
+            yarn: Some(y),
+        };
+        let plain = Rope { yarn: None, ..rope };
+        let unscaled = Rope {
+            freq_scale: 1.0,
+            ..plain
+        };
+        let (mut c, mut s) = ([0f32; 16], [0f32; 16]);
+        let (mut cp, mut sp) = ([0f32; 16], [0f32; 16]);
+        let (mut cu, mut su) = ([0f32; 16], [0f32; 16]);
+        rope.angles(37.0, None, &mut c, &mut s);
+        plain.angles(37.0, None, &mut cp, &mut sp);
+        unscaled.angles(37.0, None, &mut cu, &mut su);
+        for i in 0..16 {
+            let (want_c, want_s) = match i {
+                0..=4 => (cu[i], su[i]),
+                9.. => (cp[i], sp[i]),
+                _ => continue,
+            };
+            assert_eq!(c[i], want_c * y.mscale, "pair {i}");
+            assert_eq!(s[i], want_s * y.mscale, "pair {i}");
+        }
+        // inside the ramp the angle lies between the two
+        for i in 5..9 {
+            let a = s[i].atan2(c[i]);
+            let (lo, hi) = (sp[i].atan2(cp[i]), su[i].atan2(cu[i]));
+            assert!(a > lo.min(hi) && a < lo.max(hi), "pair {i}");
+        }
+    }
+
+    #[test]
+    fn swiglu_oai_clamps() {
+        let mut g = [10.0f32, -3.0, 1.0];
+        swiglu_oai(&mut g, &[20.0, -20.0, 0.5], 1.702, 7.0);
+        let f = |x: f32, y: f32| x / (1.0 + (1.702 * -x).exp()) * (y + 1.0);
+        assert_eq!(g, [f(7.0, 7.0), f(-3.0, -7.0), f(1.0, 0.5)]);
+    }
+}
