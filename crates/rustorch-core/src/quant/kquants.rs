@@ -56,6 +56,18 @@ pub fn scale_q3k(j: usize, q: &[u8; 12]) -> u8 {
     low | (((q[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)
 }
 
+/// Stores the biased 6-bit scale `v` of sub-block `j` into Q3_K's 12 packed bytes (the
+/// inverse of [`scale_q3k`]; the bytes start zeroed).
+#[inline]
+pub(crate) fn pack_scale_q3k(q: &mut [u8; 12], j: usize, v: u8) {
+    if j < 8 {
+        q[j] = v & 0x0f;
+    } else {
+        q[j - 8] |= (v & 0x0f) << 4;
+    }
+    q[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scale searches shared by the quantizers.
 
@@ -575,17 +587,24 @@ impl BlockQ3K {
             for (j, &s) in scales.iter().enumerate() {
                 // C stores nearest_int() into an int8_t first, then clamps and biases.
                 let v = (i32::from(nearest_int(iscale * s) as i8).clamp(-32, 31) + 32) as u8;
-                if j < 8 {
-                    packed[j] = v & 0x0f;
-                } else {
-                    packed[j - 8] |= (v & 0x0f) << 4;
-                }
-                packed[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+                pack_scale_q3k(&mut packed, j, v);
             }
             f32_to_f16(1.0 / iscale)
         } else {
             f32_to_f16(0.0)
         };
+        Self::with_scales(x, &mut l, packed, d)
+    }
+
+    /// The block for `x` given its packed scales and super-block scale `d`: each
+    /// sub-block's codes re-derived from `x` with the final (rounded) scales, as both of
+    /// ggml's Q3_K quantizers end; `l` keeps the first fit's codes where a scale is zero.
+    pub(crate) fn with_scales(
+        x: &[f32; QK_K],
+        l: &mut [i8; QK_K],
+        packed: [u8; 12],
+        d: u16,
+    ) -> Self {
         for j in 0..16 {
             let sc = i32::from(scale_q3k(j, &packed)) - 32;
             let dj = f16_to_f32(d) * sc as f32;

@@ -21,7 +21,7 @@
 
 use super::iquants::{BlockIq4Nl, BlockIq4Xs};
 use super::kquants::{
-    pack_2bit, pack_scales_mins_k4, scale_min_k4, scale_q3k, BlockQ2K, BlockQ3K, BlockQ4K,
+    pack_2bit, pack_scale_q3k, pack_scales_mins_k4, scale_min_k4, BlockQ2K, BlockQ3K, BlockQ4K,
     BlockQ5K, BlockQ6K, QK_K,
 };
 use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, QK};
@@ -529,43 +529,9 @@ fn q3_k(x: &[f32; QK_K], qw: &[f32; QK_K]) -> BlockQ3K {
     let d_block = make_qx_quants(32, &scales, &mut ls, &sw);
     let mut packed = [0u8; 12];
     for (j, &v) in ls.iter().enumerate() {
-        let v = v as u8;
-        if j < 8 {
-            packed[j] = v & 0x0f;
-        } else {
-            packed[j - 8] |= (v & 0x0f) << 4;
-        }
-        packed[j % 4 + 8] |= (v >> 4) << (2 * (j / 4));
+        pack_scale_q3k(&mut packed, j, v as u8);
     }
-    let d = f32_to_f16(d_block);
-    for j in 0..16 {
-        let sc = i32::from(scale_q3k(j, &packed)) - 32;
-        let dj = f16_to_f32(d) * sc as f32;
-        if dj == 0.0 {
-            continue;
-        }
-        for i in 16 * j..16 * j + 16 {
-            l[i] = (nearest_int(x[i] / dj).clamp(-4, 3) + 4) as i8;
-        }
-    }
-    let mut hmask = [0u8; 32];
-    let mut low = [0u8; QK_K];
-    for (j, (&q, lo)) in l.iter().zip(low.iter_mut()).enumerate() {
-        let mut q = q as u8;
-        if q > 3 {
-            hmask[j % 32] |= 1 << (j / 32);
-            q -= 4;
-        }
-        *lo = q;
-    }
-    let mut qs = [0u8; 64];
-    pack_2bit(&low, &mut qs);
-    BlockQ3K {
-        hmask,
-        qs,
-        scales: packed,
-        d,
-    }
+    BlockQ3K::with_scales(x, &mut l, packed, f32_to_f16(d_block))
 }
 
 /// Q4_K / Q5_K: per 32 values an affine fit with weights `qw·√(σ²+x²)`, the eight scales and
