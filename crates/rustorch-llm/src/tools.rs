@@ -970,6 +970,24 @@ fn read_call(s: &str, i: usize) -> (RawCall, Scan) {
 }
 
 /// Adds a call read by [`read_call`] once its name is known.
+/// Reads the call object at `i` into `calls`: `Ok` with the offset after it and its
+/// trailing blanks when it is complete; else what a reader answers there: `Err(None)` when
+/// the text ends inside it (kept as a partial call), `Err(Some(i))` when no call is there.
+fn take_call(s: &str, i: usize, calls: &mut Vec<ParsedCall>) -> Result<usize, Option<usize>> {
+    let (raw, scan) = read_call(s, i);
+    match scan {
+        Scan::Done(e) => {
+            push_call(s, raw, true, calls);
+            Ok(skip_ws(s.as_bytes(), e))
+        }
+        Scan::Partial => {
+            push_call(s, raw, false, calls);
+            Err(None)
+        }
+        Scan::Invalid => Err(Some(i)),
+    }
+}
+
 fn push_call(s: &str, raw: RawCall, complete: bool, calls: &mut Vec<ParsedCall>) {
     let Some(name) = raw.name else { return };
     let arguments = match raw.args {
@@ -1000,18 +1018,10 @@ fn read_hermes(
         if tagged {
             i = skip_ws(b, i + HERMES_OPEN.len());
         }
-        let (raw, scan) = read_call(s, i);
-        match scan {
-            Scan::Done(e) => {
-                push_call(s, raw, true, calls);
-                i = skip_ws(b, e);
-            }
-            Scan::Partial => {
-                push_call(s, raw, false, calls);
-                return None;
-            }
-            Scan::Invalid => return Some(i),
-        }
+        i = match take_call(s, i, calls) {
+            Ok(next) => next,
+            Err(answer) => return answer,
+        };
         // the closing tag, or the end of a bare call's code fence
         let close = if tagged { HERMES_CLOSE } else { FENCE };
         let rest = &s[i..];
@@ -1043,18 +1053,10 @@ fn read_mistral(s: &str, i: usize, calls: &mut Vec<ParsedCall>) -> Option<usize>
     i += 1;
     loop {
         i = skip_ws(b, i);
-        let (raw, scan) = read_call(s, i);
-        match scan {
-            Scan::Done(e) => {
-                push_call(s, raw, true, calls);
-                i = skip_ws(b, e);
-            }
-            Scan::Partial => {
-                push_call(s, raw, false, calls);
-                return None;
-            }
-            Scan::Invalid => return Some(i),
-        }
+        i = match take_call(s, i, calls) {
+            Ok(next) => next,
+            Err(answer) => return answer,
+        };
         match b.get(i) {
             None => return None,
             Some(b',') => i += 1,
@@ -1076,18 +1078,10 @@ fn read_objects(
 ) -> Option<usize> {
     let b = s.as_bytes();
     loop {
-        let (raw, scan) = read_call(s, i);
-        match scan {
-            Scan::Done(e) => {
-                push_call(s, raw, true, calls);
-                i = skip_ws(b, e);
-            }
-            Scan::Partial => {
-                push_call(s, raw, false, calls);
-                return None;
-            }
-            Scan::Invalid => return Some(i),
-        }
+        i = match take_call(s, i, calls) {
+            Ok(next) => next,
+            Err(answer) => return answer,
+        };
         match starts.at(b, i) {
             _ if i == b.len() => return None,
             StartMatch::Yes => continue,
@@ -1166,17 +1160,9 @@ fn parse_generic(s: &str, at_end: bool) -> ParsedOutput {
             i += 1;
             loop {
                 i = skip_ws(b, i);
-                let (raw, scan) = read_call(s, i);
-                match scan {
-                    Scan::Done(e) => {
-                        push_call(s, raw, true, &mut out.calls);
-                        i = skip_ws(b, e);
-                    }
-                    Scan::Partial => {
-                        push_call(s, raw, false, &mut out.calls);
-                        break;
-                    }
-                    Scan::Invalid => break,
+                match take_call(s, i, &mut out.calls) {
+                    Ok(next) => i = next,
+                    Err(_) => break,
                 }
                 match b.get(i) {
                     Some(b',') => i += 1,
