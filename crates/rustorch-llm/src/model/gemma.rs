@@ -121,14 +121,7 @@ impl<D: Device> Gemma<D> {
             // h = rms_norm(x) * attn_norm
             be.rms_norm(&w.x, &l.attn_norm, hp.rms_eps, &mut w.h);
             be.hook("attn_norm", il, &w.h);
-            be.matmul_many(
-                &[&l.wq, &l.wk, &l.wv],
-                &w.h,
-                &mut [&mut w.q, &mut w.k, &mut w.v],
-            )?;
-            be.hook("Qcur", il, &w.q);
-            be.hook("Kcur", il, &w.k);
-            be.hook("Vcur", il, &w.v);
+            ops::qkv(be, w, il, [&l.wq, &l.wk, &l.wv], [None; 3])?;
             // per-head Q/K norm (Gemma 3), rotation by each token's position, queries
             // scaled before the f16 product (attention scale 1)
             ops::attention(

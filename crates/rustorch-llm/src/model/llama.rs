@@ -145,17 +145,13 @@ impl<D: Device> Llama<D> {
             be.rms_norm(&w.x, &l.attn_norm, hp.rms_eps, &mut w.h);
             be.hook("attn_norm", il, &w.h);
             // q, k, v projections (+ bias)
-            be.matmul_many(
-                &[&l.wq, &l.wk, &l.wv],
-                &w.h,
-                &mut [&mut w.q, &mut w.k, &mut w.v],
+            ops::qkv(
+                be,
+                w,
+                il,
+                [&l.wq, &l.wk, &l.wv],
+                [l.bq.as_ref(), l.bk.as_ref(), l.bv.as_ref()],
             )?;
-            ops::add_bias(be, &mut w.q, l.bq.as_ref());
-            ops::add_bias(be, &mut w.k, l.bk.as_ref());
-            ops::add_bias(be, &mut w.v, l.bv.as_ref());
-            be.hook("Qcur", il, &w.q);
-            be.hook("Kcur", il, &w.k);
-            be.hook("Vcur", il, &w.v);
             ops::attention(
                 be,
                 &mut io,

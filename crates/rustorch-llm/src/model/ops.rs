@@ -197,6 +197,25 @@ pub(crate) fn attention<B: Backend>(
     Ok(())
 }
 
+/// The attention inputs of `w.h`: `q, k, v = h·Wq (+ bq), h·Wk (+ bk), h·Wv (+ bv)` in one
+/// product call, hooked as `Qcur`, `Kcur`, `Vcur`.
+pub(crate) fn qkv<B: Backend>(
+    be: &mut B,
+    w: &mut Ws<B>,
+    il: usize,
+    [wq, wk, wv]: [&<B::Dev as Device>::Mat; 3],
+    [bq, bk, bv]: [Option<&<B::Dev as Device>::Vector>; 3],
+) -> Result<(), ModelError> {
+    be.matmul_many(&[wq, wk, wv], &w.h, &mut [&mut w.q, &mut w.k, &mut w.v])?;
+    add_bias(be, &mut w.q, bq);
+    add_bias(be, &mut w.k, bk);
+    add_bias(be, &mut w.v, bv);
+    be.hook("Qcur", il, &w.q);
+    be.hook("Kcur", il, &w.k);
+    be.hook("Vcur", il, &w.v);
+    Ok(())
+}
+
 /// `x[row] += b` when the layer has a bias.
 pub(crate) fn add_bias<B: Backend>(
     be: &mut B,

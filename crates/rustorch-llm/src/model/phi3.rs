@@ -97,10 +97,7 @@ impl<D: Device> Phi3<D> {
             be.rms_norm(&w.x, &l.attn_norm, hp.rms_eps, &mut w.h);
             be.hook("attn_norm", il, &w.h);
             let [wq, wk, wv] = [&l.wqkv[0], &l.wqkv[1], &l.wqkv[2]];
-            be.matmul_many(&[wq, wk, wv], &w.h, &mut [&mut w.q, &mut w.k, &mut w.v])?;
-            be.hook("Qcur", il, &w.q);
-            be.hook("Kcur", il, &w.k);
-            be.hook("Vcur", il, &w.v);
+            ops::qkv(be, w, il, [wq, wk, wv], [None; 3])?;
             // queries scaled by 1/√d before the f16 product, attention scale 1
             ops::attention(
                 be,
