@@ -233,25 +233,31 @@ pub(crate) unsafe fn gemv_q6k(
     tile_q6k::<1>(w, rb, nrows, nb, &[a], 1, out, 0);
 }
 
-/// Two blocks' worth of [`lanes`] on AVX-512: `x` holds one block of two weight rows
-/// (256-bit halves), `y` the activation block in both halves.
+/// Two blocks' worth of [`lanes`] on AVX-512, before the conversion to f32: `x` holds two
+/// weight blocks (256-bit halves), `y` the matching activation blocks.
 #[inline(always)]
-unsafe fn lanes512<const F: u8>(x: __m512i, y: __m512i) -> __m512 {
+unsafe fn ints512<const F: u8>(x: __m512i, y: __m512i) -> __m512i {
     let z = _mm512_setzero_si512();
-    let s = if has_min(F) {
+    if has_min(F) {
         _mm512_dpbusd_epi32(z, x, y)
     } else {
         let neg = _mm512_movepi8_mask(x);
         let sy = _mm512_mask_sub_epi8(y, neg, z, y);
         _mm512_dpbusd_epi32(z, _mm512_abs_epi8(x), sy)
-    };
-    _mm512_cvtepi32_ps(s)
+    }
 }
 
-/// [`gemv`] on AVX-512: two weight rows per 512-bit register (one 8-lane accumulator each,
-/// the same float steps per lane), four rows per iteration. Per 16 blocks, each row's scales
-/// are gathered and multiplied by the activation scales in one vector operation (the same
-/// f32 products `dw * da` as the scalar code). Not for IQ4_NL.
+/// Blocks per chunk of [`gemv512`]: the lane sums of 4 rows × this many blocks stay on the
+/// stack between its integer and float passes.
+const GEMV512_CHUNK: usize = 64;
+
+/// [`gemv`] on AVX-512: four rows per group, two per 512-bit register (one 8-lane
+/// accumulator each, the same float steps per lane). The weights are read in memory order,
+/// row after row (walking four rows block by block jumps `rb` bytes at every step, which the
+/// hardware prefetchers follow badly): for a chunk of blocks, each row's exact integer lane
+/// sums are computed first, two blocks per `vpdpbusd`, then the float steps run block by
+/// block over the four rows (`dw * da` rounded as in the scalar code, one FMA per block).
+/// Not for IQ4_NL.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI/DQ must be available; pointers must cover the stated sizes.
@@ -267,67 +273,81 @@ pub(crate) unsafe fn gemv512<const F: u8>(
 ) {
     let bs = block_bytes(F);
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
-    let offs = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(bs as i32),
-    );
+    let act = |b: usize| _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
+    // lane sums per (block, row); rows 2h and 2h + 1 adjacent, one 512-bit load. Not
+    // zeroed (8 KiB per call showed as 9% of a decode): each chunk's integer pass writes
+    // every entry its float pass reads.
+    let mut scr = std::mem::MaybeUninit::<[[__m256i; 4]; GEMV512_CHUNK]>::uninit();
+    let scr = scr.as_mut_ptr() as *mut [__m256i; 4];
+    // [row 2h x8 | row 2h+1 x8] from [d0 d1 d2 d3]
+    let pick = [
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+    ];
     let mut r0 = 0;
     while r0 < nrows {
+        let nv = (nrows - r0).min(4);
         let rows: [*const u8; 4] = std::array::from_fn(|i| w.add((r0 + i).min(nrows - 1) * rb));
         let mut acc = [_mm512_setzero_ps(); 2];
         let mut summs = [0f32; 4];
-        let mut c = 0;
-        while c < nb {
-            let n16 = (nb - c).min(16);
-            let k: __mmask16 = if n16 == 16 { 0xffff } else { (1u16 << n16) - 1 };
-            let da = _mm512_maskz_loadu_ps(k, a.d.add(c));
-            // per row: the 16 blocks' scale products and (Q4_1/Q5_1) minimums
-            let mut sc = [_mm512_setzero_ps(); 4];
-            let mut mw = [[0f32; 16]; 4];
-            for (i, row) in rows.iter().enumerate() {
-                let g = _mm512_mask_i32gather_epi32::<1>(
-                    _mm512_setzero_si512(),
-                    k,
-                    offs,
-                    row.add(c * bs) as *const i32,
-                );
-                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-                sc[i] = _mm512_mul_ps(d, da);
-                if has_min(F) {
-                    let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
-                    _mm512_storeu_ps(mw[i].as_mut_ptr(), m);
+        let mut b0 = 0;
+        while b0 < nb {
+            let nc = (nb - b0).min(GEMV512_CHUNK);
+            // integer pass, in memory order (rows past `nv` repeat the last row, not stored)
+            for i in 0..4 {
+                let row = rows[i].add(b0 * bs);
+                let mut c = 0;
+                while c < nc {
+                    let p = row.add(c * bs);
+                    // 2 KiB ahead of the stream
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2048) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2048 + 64) as *const i8);
+                    // two blocks (the last one twice when `nc` is odd)
+                    let c1 = (c + 1).min(nc - 1);
+                    let x = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(values::<F>(p)),
+                        values::<F>(row.add(c1 * bs)),
+                    );
+                    let y = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(act(b0 + c)),
+                        act(b0 + c1),
+                    );
+                    let l = ints512::<F>(x, y);
+                    (*scr.add(c))[i] = _mm512_castsi512_si256(l);
+                    (*scr.add(c1))[i] = _mm512_extracti64x4_epi64::<1>(l);
+                    c += 2;
                 }
             }
-            let mut idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
-            for j in 0..n16 {
-                let b = c + j;
-                // the next four rows, same block: keeps the memory system ahead of the stream
-                for row in &rows {
-                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(4 * rb + b * bs) as *const i8);
-                }
-                let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                    a.q.add(b * abs + aqo) as *const __m256i
-                ));
-                for h in 0..2 {
-                    let (p0, p1) = (rows[2 * h].add(b * bs), rows[2 * h + 1].add(b * bs));
-                    let x = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(values::<F>(p0)),
-                        values::<F>(p1),
-                    );
-                    let s = _mm512_permutex2var_ps(sc[2 * h], idx, sc[2 * h + 1]);
-                    acc[h] = _mm512_fmadd_ps(s, lanes512::<F>(x, y), acc[h]);
+            // float pass, block by block over the four rows
+            for c in 0..nc {
+                let b = b0 + c;
+                let h = _mm_setr_epi16(
+                    rd_u16(rows[0].add(b * bs)) as i16,
+                    rd_u16(rows[1].add(b * bs)) as i16,
+                    rd_u16(rows[2].add(b * bs)) as i16,
+                    rd_u16(rows[3].add(b * bs)) as i16,
+                    0,
+                    0,
+                    0,
+                    0,
+                );
+                let s4 = _mm_mul_ps(_mm_cvtph_ps(h), _mm_set1_ps(*a.d.add(b)));
+                let s16 = _mm512_castps128_ps512(s4);
+                for j in 0..2 {
+                    let s = _mm512_permutexvar_ps(pick[j], s16);
+                    let l = _mm512_loadu_si512((scr.add(c) as *const __m256i).add(2 * j) as *const _);
+                    acc[j] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(l), acc[j]);
                 }
                 if has_min(F) {
                     let sa = *a.s.add(b);
                     for i in 0..4 {
-                        summs[i] = mw[i][j].mul_add(sa, summs[i]);
+                        summs[i] = f16(rd_u16(rows[i].add(b * bs + 2))).mul_add(sa, summs[i]);
                     }
                 }
-                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
             }
-            c += n16;
+            b0 += nc;
         }
-        for i in 0..4.min(nrows - r0) {
+        for i in 0..nv {
             let v = acc[i / 2];
             let half = if i % 2 == 0 {
                 _mm512_castps512_ps256(v)
