@@ -10,8 +10,8 @@ use crate::kernels::attn::{self, GroupQuery, HeadAttn};
 use crate::kernels::attn_q::{self, KvRows, QuantAttn};
 use crate::kernels::ops::{self, rms_norm, Rope};
 use crate::kernels::{
-    attn_long, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, QActs, QMatrix,
-    ThreadPool,
+    attn_long, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, par_rows, QActs,
+    QMatrix, ThreadPool,
 };
 use crate::kv_cache::{self, decode_row, words_as_bytes, KvCache, SeqId};
 use crate::quant::f32_to_f16_row;
@@ -346,9 +346,12 @@ impl<'a> Backend for Cpu<'a> {
     }
 
     fn rms_norm_inplace(&mut self, x: &mut Vec<f32>, w: &Vec<f32>, eps: f32) {
-        for row in x.chunks_exact_mut(w.len()) {
-            rms_norm(row, w, eps);
-        }
+        // rows of a prompt (or per-head Q/K norms) over the pool, at least 8 rows a task
+        par_rows(self.pool, x, w.len(), 8, &|_, rows| {
+            for row in rows.chunks_exact_mut(w.len()) {
+                rms_norm(row, w, eps);
+            }
+        });
     }
 
     fn matmul(
@@ -421,7 +424,9 @@ impl<'a> Backend for Cpu<'a> {
         self.hook("ffn_up", il, up);
         match act {
             Glu::Silu => gexp::swiglu(isa(), gate, up, n_ff),
-            Glu::Gelu => ops::geglu(gate, up),
+            Glu::Gelu => par_rows(self.pool, gate, n_ff, 4, &|r0, g| {
+                ops::geglu(g, &up[r0 * n_ff..r0 * n_ff + g.len()])
+            }),
         }
         Ok(())
     }

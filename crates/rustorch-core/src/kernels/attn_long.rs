@@ -483,6 +483,8 @@ mod x86 {
                     8 if j0 + 2 <= nq => vupdate::<8, 2>(&st, j0, &mut sum),
                     4 => vupdate::<4, 1>(&st, j0, &mut sum),
                     8 => vupdate::<8, 1>(&st, j0, &mut sum),
+                    // head size 256 (Gemma): 16 accumulators, half the register file
+                    16 => vupdate::<16, 1>(&st, j0, &mut sum),
                     _ => vupdate_any(&st, j0, nv, &mut sum),
                 }
                 j0 += match nv {

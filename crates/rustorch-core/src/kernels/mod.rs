@@ -140,6 +140,10 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 #[derive(Clone, Copy)]
+struct SendPtrU8(*mut u8);
+unsafe impl Send for SendPtrU8 {}
+unsafe impl Sync for SendPtrU8 {}
+#[derive(Clone, Copy)]
 struct SendConst(*const u8);
 unsafe impl Send for SendConst {}
 unsafe impl Sync for SendConst {}
@@ -158,6 +162,34 @@ pub enum MatmulPath {
 /// From this many activation rows on, [`MatmulPath::Auto`] multiplies tiles of activation
 /// rows (each weight block unpacked once for the tile) instead of one row at a time.
 pub const GEMM_MIN_TOKENS: usize = 2;
+
+/// Runs `f(first_row, rows)` over `data` (rows of `row_len` values) split into runs of at
+/// least `min_rows` rows spread over the pool; elementwise row operations give the same
+/// results however the rows are split.
+pub fn par_rows(
+    pool: &ThreadPool,
+    data: &mut [f32],
+    row_len: usize,
+    min_rows: usize,
+    f: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    if row_len == 0 {
+        return;
+    }
+    let n_rows = data.len() / row_len;
+    let (n_tasks, per) = split(pool, n_rows, min_rows);
+    let dst = SendPtr(data.as_mut_ptr());
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        let (r0, r1) = (task * per, ((task + 1) * per).min(n_rows));
+        // SAFETY: the tasks' row ranges are disjoint and inside `data`.
+        let rows =
+            unsafe { std::slice::from_raw_parts_mut(dst.0.add(r0 * row_len), (r1 - r0) * row_len) };
+        f(r0, rows);
+    });
+}
 
 /// `out[t][r] = dot(w[r], x[t])` for `n_tok = x.len() / w.n_cols` activation rows:
 /// activations are quantized once to the weight's vec-dot type (into `qa`), then output rows
@@ -951,16 +983,22 @@ fn run_tiles512<const F: u8>(pool: &ThreadPool, w: &QMatrix<'_>, qa: &QActs, out
         let acts = |t0: usize, n: usize| -> [ActRow; 8] {
             std::array::from_fn(|i| act_row(qa, t0 + i.min(n - 1)))
         };
-        // SAFETY: AVX-512 VNNI was detected by the caller; each tile's rows exist and its
-        // destination lies inside the buffer (sizes computed above).
-        unsafe {
-            let base = buf.as_mut_ptr();
-            for i in 0..n_full {
-                pack_act_tile::<F, 8>(&acts(8 * i, 8), nb, base.add(i * full_bytes));
-            }
-            if tail_nt > 0 {
+        // the tiles over the pool (the tail as one more task)
+        let base = SendPtrU8(buf.as_mut_ptr());
+        pool.run(n_full + usize::from(tail_nt > 0), &|i| {
+            #[allow(clippy::redundant_locals)]
+            // capture the whole Send wrapper, not its raw-pointer field
+            let base = base;
+            // SAFETY: AVX-512 VNNI was detected by the caller; each tile's rows exist and its
+            // destination, disjoint from the other tasks', lies inside the buffer (sizes
+            // computed above).
+            unsafe {
+                if i < n_full {
+                    pack_act_tile::<F, 8>(&acts(8 * i, 8), nb, base.0.add(i * full_bytes));
+                    return;
+                }
                 let ta = acts(tail_t0, tail_nt);
-                let (ta, td) = (&ta[..tail_nt], base.add(tail_off));
+                let (ta, td) = (&ta[..tail_nt], base.0.add(tail_off));
                 match tail_t {
                     1 => pack_act_tile::<F, 1>(ta, nb, td),
                     2 => pack_act_tile::<F, 2>(ta, nb, td),
@@ -968,7 +1006,7 @@ fn run_tiles512<const F: u8>(pool: &ThreadPool, w: &QMatrix<'_>, qa: &QActs, out
                     _ => pack_act_tile::<F, 8>(ta, nb, td),
                 }
             }
-        }
+        });
         let at = SendConst(buf.as_ptr());
         let groups = n_rows.div_ceil(16);
         let (n_tasks, per) = split(pool, groups, 1);

@@ -308,10 +308,8 @@ pub(crate) unsafe fn gemv512<const F: u8>(
                         _mm512_castsi256_si512(values::<F>(p)),
                         values::<F>(row.add(c1 * bs)),
                     );
-                    let y = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(act(b0 + c)),
-                        act(b0 + c1),
-                    );
+                    let y =
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(act(b0 + c)), act(b0 + c1));
                     let l = ints512::<F>(x, y);
                     (*scr.add(c))[i] = _mm512_castsi512_si256(l);
                     (*scr.add(c1))[i] = _mm512_extracti64x4_epi64::<1>(l);
@@ -335,7 +333,8 @@ pub(crate) unsafe fn gemv512<const F: u8>(
                 let s16 = _mm512_castps128_ps512(s4);
                 for j in 0..2 {
                     let s = _mm512_permutexvar_ps(pick[j], s16);
-                    let l = _mm512_loadu_si512((scr.add(c) as *const __m256i).add(2 * j) as *const _);
+                    let l =
+                        _mm512_loadu_si512((scr.add(c) as *const __m256i).add(2 * j) as *const _);
                     acc[j] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(l), acc[j]);
                 }
                 if has_min(F) {
