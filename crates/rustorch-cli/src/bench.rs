@@ -278,6 +278,7 @@ fn load_model(
     let hp = rustorch_llm::HParams::from_gguf(&gguf).context("loading the model")?;
     let placement = dev.placement(hp.n_layer)?;
     let types = dev.cache_types()?;
+    let gguf = dev.cpu_weights(path, gguf, placement)?;
     let mut model = Model::load_on(gguf.clone(), placement, n_ctx).context("loading the model")?;
     model.set_cache_types(types)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

@@ -146,6 +146,11 @@ pub struct DeviceArgs {
     /// computed as llama.cpp's CPU flash attention computes it; off is refused)
     #[arg(long = "flash-attn", default_value = "auto")]
     pub flash_attn: String,
+    /// Compute on the CPU from a memory map of the file (less memory, about 15% slower
+    /// decoding) instead of a copy read into memory backed by huge pages, which is the
+    /// default when the model fits in half the available memory
+    #[arg(long = "mmap")]
+    pub mmap: bool,
 }
 
 impl Default for DeviceArgs {
@@ -156,11 +161,32 @@ impl Default for DeviceArgs {
             cache_type_k: "f16".to_string(),
             cache_type_v: "f16".to_string(),
             flash_attn: "auto".to_string(),
+            mmap: false,
         }
     }
 }
 
 impl DeviceArgs {
+    /// The file `gguf` (opened mapped) as the CPU backend should read it at `placement`:
+    /// read into memory with huge pages (see [`GgufFile::open_in_memory`]) unless `--mmap`,
+    /// a GPU placement, or a model larger than half the available memory keeps the map.
+    pub fn cpu_weights(
+        &self,
+        path: &Path,
+        gguf: Arc<GgufFile>,
+        placement: Placement,
+    ) -> anyhow::Result<Arc<GgufFile>> {
+        if self.mmap || placement != Placement::Cpu {
+            return Ok(gguf);
+        }
+        if mem_available().is_some_and(|avail| gguf.file_size() > avail / 2) {
+            return Ok(gguf);
+        }
+        Ok(Arc::new(GgufFile::open_in_memory(path).with_context(
+            || format!("reading '{}' into memory", path.display()),
+        )?))
+    }
+
     /// The KV cache types `-ctk` / `-ctv` name; an unknown name is an error listing the
     /// valid ones.
     pub fn cache_types(&self) -> anyhow::Result<KvTypes> {
@@ -223,6 +249,14 @@ impl DeviceArgs {
     }
 }
 
+/// `MemAvailable` of `/proc/meminfo` in bytes, where there is one.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// A model, its vocabulary and how long loading took.
 pub struct Loaded {
     pub gguf: Arc<GgufFile>,
@@ -262,6 +296,10 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
                 (p, n_ctx)
             }
             None => (Placement::Cpu, 0),
+        };
+        let gguf = match dev {
+            Some(d) => d.cpu_weights(path, gguf, placement.0)?,
+            None => gguf,
         };
         let mut model =
             Model::load_on(gguf.clone(), placement.0, placement.1).context("loading the model")?;
