@@ -182,9 +182,13 @@ impl DeviceArgs {
         if mem_available().is_some_and(|avail| gguf.file_size() > avail / 2) {
             return Ok(gguf);
         }
-        Ok(Arc::new(GgufFile::open_in_memory(path).with_context(
-            || format!("reading '{}' into memory", path.display()),
-        )?))
+        let context = || format!("reading '{}' into memory", path.display());
+        // the parsed header is reused when nothing else holds the file yet
+        let file = match Arc::try_unwrap(gguf) {
+            Ok(file) => file.into_memory(path).with_context(context)?,
+            Err(_) => GgufFile::open_in_memory(path).with_context(context)?,
+        };
+        Ok(Arc::new(file))
     }
 
     /// The KV cache types `-ctk` / `-ctv` name; an unknown name is an error listing the

@@ -427,3 +427,44 @@ fn empty_writer_is_a_valid_file() {
     assert!(f.metadata().is_empty() && f.tensors().is_empty());
     assert_eq!(f.data_offset(), 32);
 }
+
+/// A file read into memory (`GgufFile::open_in_memory`) has exactly the file's bytes,
+/// including the token embeddings, which stay a map of the file when an output matrix
+/// exists (their page-aligned interior), and without one.
+#[test]
+fn in_memory_copy_equals_the_file() {
+    for with_output in [true, false] {
+        let mut w = GgufWriter::new();
+        w.add("general.architecture", Value::String("llama".into()));
+        let f32s = |n: usize, seed: u32| -> Vec<u8> {
+            (0..n)
+                .flat_map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed).to_le_bytes())
+                .collect()
+        };
+        // 64 x 100 f32 = 25,600 bytes: several pages, starting inside one
+        w.add_tensor("blk.0.attn_norm.weight", GgmlType::F32, &[3], f32s(3, 1))
+            .unwrap();
+        w.add_tensor(
+            "token_embd.weight",
+            GgmlType::F32,
+            &[64, 100],
+            f32s(6400, 2),
+        )
+        .unwrap();
+        if with_output {
+            w.add_tensor("output.weight", GgmlType::F32, &[64, 100], f32s(6400, 3))
+                .unwrap();
+        }
+        let bytes = w.to_bytes().unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "rustorch-in-memory-{}-{with_output}.gguf",
+            std::process::id()
+        ));
+        std::fs::write(&path, &bytes).unwrap();
+        let g = GgufFile::open_in_memory(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(g.bytes() == &bytes[..], "with output {with_output}");
+        let (_, e) = g.tensor("token_embd.weight").unwrap();
+        assert_eq!(e, &f32s(6400, 2)[..]);
+    }
+}

@@ -45,24 +45,69 @@ impl TensorInfo {
     }
 }
 
-/// Fills `buf` from the start of `file`, in up to 4 parts read by as many threads.
-fn read_parallel(file: &File, buf: &mut [u8]) -> std::io::Result<()> {
+/// Fills the byte ranges `ranges` (sorted, disjoint `[start, end)`) of `buf` from the same
+/// offsets of `file`, in pieces of whole 2 MiB pages read by up to 4 threads.
+fn read_ranges(file: &File, buf: &mut [u8], ranges: &[(usize, usize)]) -> std::io::Result<()> {
     let n = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 4);
-    // parts of whole 2 MiB pages
-    let part = buf.len().div_ceil(n).next_multiple_of(2 << 20);
+    let total: usize = ranges.iter().map(|&(a, b)| b - a).sum();
+    let part = total.div_ceil(n).max(1).next_multiple_of(2 << 20);
+    let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
+    let (mut rest, mut done) = (buf, 0usize);
+    for &(a, b) in ranges {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(a - done);
+        let (mut range, tail) = tail.split_at_mut(b - a);
+        (rest, done) = (tail, b);
+        let mut off = a;
+        while !range.is_empty() {
+            let k = part.min(range.len());
+            let (piece, r) = std::mem::take(&mut range).split_at_mut(k);
+            pieces.push((off, piece));
+            (range, off) = (r, off + k);
+        }
+    }
     std::thread::scope(|s| {
-        let jobs: Vec<_> = buf
-            .chunks_mut(part)
-            .enumerate()
-            .map(|(i, chunk)| s.spawn(move || read_at(file, chunk, (i * part) as u64)))
+        let jobs: Vec<_> = pieces
+            .into_iter()
+            .map(|(off, piece)| s.spawn(move || read_at(file, piece, off as u64)))
             .collect();
         jobs.into_iter().try_for_each(|j| {
             j.join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("reader panicked")))
         })
     })
+}
+
+/// Maps `[start, end)` of `file` (page-aligned) read-only at the same offset of the anonymous
+/// region `region`, over what was there. False where that is not possible.
+#[cfg(unix)]
+fn map_file_over(file: &File, region: &mut [u8], start: usize, end: usize) -> bool {
+    use std::os::fd::AsRawFd;
+    if end <= start || end > region.len() {
+        return false;
+    }
+    let Ok(off) = libc::off_t::try_from(start) else {
+        return false;
+    };
+    // SAFETY: the target lies inside `region`, a private anonymous mapping this function's
+    // caller owns and that nothing borrows while it runs; MAP_FIXED replaces those pages.
+    let p = unsafe {
+        libc::mmap(
+            region.as_mut_ptr().add(start).cast(),
+            end - start,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_FIXED,
+            file.as_raw_fd(),
+            off,
+        )
+    };
+    p != libc::MAP_FAILED
+}
+
+#[cfg(not(unix))]
+fn map_file_over(_: &File, _: &mut [u8], _: usize, _: usize) -> bool {
+    false
 }
 
 #[cfg(unix)]
@@ -139,30 +184,49 @@ impl GgufFile {
     }
 
     /// Opens `path` and reads it into anonymous memory that the kernel may back with 2 MiB
-    /// pages (`MADV_HUGEPAGE`), then parses and validates the header. Decoding streams every
-    /// weight once per token: from a file mapping (4 KiB pages) the TLB misses at every page
-    /// and the hardware prefetchers stop at every page boundary, which costs about 15% of the
-    /// CPU's decode speed; the price is a copy of the file in memory and the time to read it.
+    /// pages: [`GgufFile::open`] then [`GgufFile::into_memory`].
     pub fn open_in_memory(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        Self::open(&path)?.into_memory(path)
+    }
+
+    /// This file (opened from `path`) with its bytes read into anonymous memory that the
+    /// kernel may back with 2 MiB pages (`MADV_HUGEPAGE`); the parsed header is kept.
+    /// Decoding streams every weight once per token: from a file mapping (4 KiB pages) the
+    /// TLB misses at every page and the hardware prefetchers stop at every page boundary,
+    /// which costs about 15% of the CPU's decode speed; the price is the time to read the
+    /// file and memory the page cache could otherwise share. The token embeddings, when a
+    /// separate output matrix exists, are only looked up a row at a time: their whole pages
+    /// stay a map of the file.
+    pub fn into_memory(mut self, path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref();
         let io = |source| GgufError::Io {
             path: path.to_path_buf(),
             source,
         };
-        let meta = std::fs::metadata(path).map_err(io)?;
-        if meta.is_dir() {
-            return Err(GgufError::IsDirectory(path.to_path_buf()));
+        let len = self.storage.bytes().len();
+        if len == 0 {
+            return Ok(self);
         }
         let file = File::open(path).map_err(io)?;
-        let len = usize::try_from(meta.len()).map_err(|_| {
-            io(std::io::Error::new(
-                std::io::ErrorKind::OutOfMemory,
-                "the file does not fit in this address space",
-            ))
-        })?;
-        if len == 0 {
-            return Self::parse(Storage::Owned(Vec::new()));
+        if file.metadata().map_err(io)?.len() != len as u64 {
+            return Err(io(std::io::Error::other(
+                "the file changed size while it was being loaded",
+            )));
         }
+        let hole = match (
+            self.tensor("token_embd.weight"),
+            self.tensor("output.weight"),
+        ) {
+            (Ok((_, e)), Ok(_)) => {
+                let page = 4096;
+                let start = e.as_ptr() as usize - self.storage.bytes().as_ptr() as usize;
+                (
+                    start.next_multiple_of(page),
+                    (start + e.len()) / page * page,
+                )
+            }
+            _ => (0, 0),
+        };
         let mut anon = memmap2::MmapOptions::new()
             .len(len)
             .map_anon()
@@ -170,10 +234,16 @@ impl GgufFile {
         // advice only: without transparent huge pages the memory is ordinary
         #[cfg(target_os = "linux")]
         let _ = anon.advise(memmap2::Advice::HugePage);
+        let ranges = if map_file_over(&file, &mut anon[..], hole.0, hole.1) {
+            vec![(0, hole.0), (hole.1, len)]
+        } else {
+            vec![(0, len)]
+        };
         // several readers: the kernel's first touch of fresh memory (zeroing it) dominates
-        read_parallel(&file, &mut anon[..]).map_err(io)?;
-        let map = anon.make_read_only().map_err(io)?;
-        Self::parse(Storage::Mapped(map))
+        read_ranges(&file, &mut anon[..], &ranges).map_err(io)?;
+        // the header parsed from the map describes these identical bytes
+        self.storage = Storage::Mapped(anon.make_read_only().map_err(io)?);
+        Ok(self)
     }
 
     /// Parses a GGUF image held in memory (tests, fuzzing, embedded data).
