@@ -66,6 +66,10 @@ pub fn swiglu_part(isa: Isa, gate: &mut [f32], up: &[f32], start: usize, n_row: 
         done = main & !15;
         // SAFETY: the family was detected; the length is a multiple of 16.
         unsafe { x86::swiglu16(&mut gm[..done], &up[..done]) };
+    } else if isa == Isa::Avx2 {
+        done = main & !7;
+        // SAFETY: the family was detected; the length is a multiple of 8.
+        unsafe { x86::swiglu8(&mut gm[..done], &up[..done]) };
     }
     let _ = isa;
     for (g, &u) in gm[done..].iter_mut().zip(&up[done..main]) {
@@ -111,6 +115,67 @@ pub(crate) mod x86 {
         let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, zero);
         let alt = _mm512_mask_blend_ps(le, _mm512_set1_ps(f32::INFINITY), zero);
         _mm512_mask_blend_ps(d, res, alt)
+    }
+
+    /// [`expf`] in 8 lanes with AVX2 (the AVX-512 variant's arithmetic, not ggml's AVX2
+    /// one): the same fused multiply-adds, then `j · 2^n` as a product with `2^n` built from
+    /// its exponent bits, exact (so rounded once, as `scalef`) while `|n| <= 126`; a vector
+    /// with a lane outside that range is done lane by lane.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn expf8(x: __m256) -> __m256 {
+        let r = _mm256_set1_ps(SHIFT);
+        let z = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), r);
+        let n = _mm256_sub_ps(z, r);
+        let big = _mm256_cmp_ps::<_CMP_NLE_UQ>(
+            _mm256_andnot_ps(_mm256_set1_ps(-0.0), n),
+            _mm256_set1_ps(126.0),
+        );
+        if _mm256_movemask_ps(big) != 0 {
+            let mut v = [0f32; 8];
+            _mm256_storeu_ps(v.as_mut_ptr(), x);
+            for e in v.iter_mut() {
+                *e = expf(*e);
+            }
+            return _mm256_loadu_ps(v.as_ptr());
+        }
+        let b = _mm256_fnmadd_ps(
+            n,
+            _mm256_set1_ps(LN2_LO),
+            _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x),
+        );
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(_mm256_set1_ps(P0), b, _mm256_set1_ps(P1)),
+                u,
+                _mm256_fmadd_ps(_mm256_set1_ps(P2), b, _mm256_set1_ps(P3)),
+            ),
+            u,
+            _mm256_fmadd_ps(_mm256_set1_ps(P4), b, _mm256_set1_ps(1.0)),
+        );
+        // 2^n for |n| <= 126: n's integer value sits in z's low mantissa bits
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(
+            _mm256_slli_epi32::<23>(_mm256_castps_si256(z)),
+            _mm256_castps_si256(_mm256_set1_ps(1.0)),
+        ));
+        _mm256_mul_ps(j, k)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA must be available; `gate.len()` is a multiple of 8 and `up` as long.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn swiglu8(gate: &mut [f32], up: &[f32]) {
+        let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i + 8 <= gate.len() {
+            let x = _mm256_loadu_ps(g.add(i));
+            let e = expf8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(g.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.add(i))));
+            i += 8;
+        }
     }
 
     /// # Safety
@@ -173,6 +238,35 @@ mod tests {
             assert!(
                 x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
                 "x = {}: avx512 {x} scalar {y}",
+                xs[i]
+            );
+        }
+    }
+
+    #[test]
+    fn scalar_and_avx2_agree_bit_for_bit() {
+        if !Isa::available().contains(&Isa::Avx2) {
+            eprintln!("SKIPPED: no AVX2");
+            return;
+        }
+        let mut xs = inputs();
+        // around the lane-by-lane threshold |n| = 126 and the subnormal range
+        for i in 0..4000 {
+            let x = 85.0 + i as f32 * 0.005;
+            xs.extend([x, -x, -x - 15.0, -x - 20.0]);
+        }
+        while xs.len() % 16 != 0 {
+            xs.push(-0.75);
+        }
+        let up: Vec<f32> = xs.iter().map(|x| 0.5 - x * 0.01).collect();
+        let mut a = xs.clone();
+        swiglu(Isa::Avx2, &mut a, &up, xs.len());
+        let mut b = xs.clone();
+        swiglu(Isa::Scalar, &mut b, &up, xs.len());
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                "x = {}: avx2 {x} scalar {y}",
                 xs[i]
             );
         }

@@ -943,8 +943,8 @@ fn x86_gemm_lanes(
     } else if isa == Isa::Avx512 && f != fmt::IQ4_NL {
         with_fmt!(f, F => run_tiles512::<F>(pool, w, qa, out));
     } else {
-        let kern: TileFn<4> = with_fmt!(f, F => x86::lanes::tile::<F, 4> as TileFn<4>);
-        run_tiles::<4>(pool, kern, f, w, qa, out);
+        let kern: TileFn<8> = with_fmt!(f, F => x86::lanes::tile::<F, 8> as TileFn<8>);
+        run_tiles::<8>(pool, kern, f, w, qa, out);
     }
 }
 

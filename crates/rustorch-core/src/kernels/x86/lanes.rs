@@ -65,6 +65,37 @@ pub(crate) unsafe fn tile<const F: u8, const T: usize>(
     out: *mut f32,
     ostride: usize,
 ) {
+    let nt = nt.min(T);
+    if nt == 0 {
+        return;
+    }
+    // the narrowest fixed width that holds the rows (rows past `nt` repeat the last one:
+    // computed, never stored), so the token loop has a constant trip count
+    fn first<const N: usize>(acts: &[ActRow], nt: usize) -> [ActRow; N] {
+        std::array::from_fn(|t| acts[t.min(nt - 1)])
+    }
+    let (a, o) = (&acts[..], ostride);
+    match nt {
+        1 => tile_n::<F, 1>(w, rb, nrows, nb, &first(a, nt), nt, out, o),
+        2 => tile_n::<F, 2>(w, rb, nrows, nb, &first(a, nt), nt, out, o),
+        3 | 4 => tile_n::<F, 4>(w, rb, nrows, nb, &first(a, nt), nt, out, o),
+        _ => tile_n::<F, 8>(w, rb, nrows, nb, &first(a, nt), nt, out, o),
+    }
+}
+
+/// [`tile`] for exactly `T` activation rows (the first `nt` stored).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_n<const F: u8, const T: usize>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    acts: &[ActRow; T],
+    nt: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
     let bs = block_bytes(F);
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
     let pairs = F == IQ4_NL;
@@ -72,27 +103,26 @@ pub(crate) unsafe fn tile<const F: u8, const T: usize>(
     for r in 0..nrows {
         let row = w.add(r * rb);
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
-        let mut summs = [0f32; T];
         for b in 0..nb_main {
             let p = row.add(b * bs);
             let x = values::<F>(p);
             let dw = f16(rd_u16(p));
-            let mw = if has_min(F) {
-                f16(rd_u16(p.add(2)))
-            } else {
-                0.0
-            };
             let k = if pairs { b & 1 } else { 0 };
             for t in 0..T {
-                if t >= nt {
-                    break;
-                }
                 let a = acts[t];
                 let y = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
                 let sc = _mm256_set1_ps(dw * *a.d.add(b));
                 acc[k][t] = _mm256_fmadd_ps(sc, lanes::<F>(x, y), acc[k][t]);
-                if has_min(F) {
-                    summs[t] = mw.mul_add(*a.s.add(b), summs[t]);
+            }
+        }
+        // Q4_1/Q5_1: the minimums' chains (the same fused multiply-adds in block order), in
+        // their own pass so the vector loop above keeps its accumulators in registers
+        let mut summs = [0f32; T];
+        if has_min(F) {
+            for b in 0..nb_main {
+                let mw = f16(rd_u16(row.add(b * bs + 2)));
+                for t in 0..T {
+                    summs[t] = mw.mul_add(*acts[t].s.add(b), summs[t]);
                 }
             }
         }
