@@ -215,6 +215,9 @@ pub fn dot_f16(isa: Isa, x: &[u16], y: &[u16]) -> f32 {
     let v: [f32; 16] = if isa == Isa::Avx512 {
         // SAFETY: the family was detected; `np <= n`.
         unsafe { x86::dot_blocks(x.as_ptr(), y.as_ptr(), np) }
+    } else if isa == Isa::Avx2 {
+        // SAFETY: the family (with FMA and F16C) was detected; `np <= n`.
+        unsafe { x86::dot_blocks_avx2(x.as_ptr(), y.as_ptr(), np) }
     } else {
         dot_blocks_scalar(x, y, np)
     };
@@ -282,6 +285,10 @@ pub fn mad_f16(isa: Isa, native: bool, y: &mut [u16], x: &[u16], v: f32) {
         // SAFETY: the family was detected.
         unsafe { x86::mad_tail(&mut y[np..n], &x[np..n], v) };
         return;
+    } else if isa == Isa::Avx2 {
+        // SAFETY: the family (with FMA and F16C) was detected.
+        unsafe { x86::mad_tail_avx2(&mut y[np..n], &x[np..n], v) };
+        return;
     }
     let _ = isa;
     for (a, &b) in y[np..n].iter_mut().zip(&x[np..n]) {
@@ -312,6 +319,10 @@ pub fn scale_f16(isa: Isa, native: bool, y: &mut [u16], v: f32) {
         // SAFETY: the family was detected.
         unsafe { x86::scale_tail(&mut y[np..], v) };
         return;
+    } else if isa == Isa::Avx2 {
+        // SAFETY: the family (with FMA and F16C) was detected.
+        unsafe { x86::scale_tail_avx2(&mut y[np..], v) };
+        return;
     }
     let _ = isa;
     for a in y[np..].iter_mut() {
@@ -341,6 +352,78 @@ mod x86 {
         let mut out = [0f32; 16];
         _mm512_storeu_ps(out.as_mut_ptr(), r);
         out
+    }
+
+    /// [`dot_blocks`] with AVX2: each 16-lane accumulator of the AVX-512 build as two 8-lane
+    /// halves, the same fused multiply-adds per lane.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `x` and `y` hold `np` (a multiple of 64) values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_blocks_avx2(x: *const u16, y: *const u16, np: usize) -> [f32; 16] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        let ld = |p: *const u16| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let mut i = 0;
+        while i < np {
+            for (j, a) in acc.iter_mut().enumerate() {
+                for (h, ah) in a.iter_mut().enumerate() {
+                    let k = i + 16 * j + 8 * h;
+                    *ah = _mm256_fmadd_ps(ld(x.add(k)), ld(y.add(k)), *ah);
+                }
+            }
+            i += 64;
+        }
+        let mut out = [0f32; 16];
+        for h in 0..2 {
+            let r = _mm256_add_ps(
+                _mm256_add_ps(acc[0][h], acc[2][h]),
+                _mm256_add_ps(acc[1][h], acc[3][h]),
+            );
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), r);
+        }
+        out
+    }
+
+    /// [`scale_tail`] with AVX2, 8 at a time.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scale_tail_avx2(y: &mut [u16], v: f32) {
+        let n = y.len();
+        let vv = _mm256_set1_ps(v);
+        let mut i = 0;
+        while i + 8 <= n {
+            let py = y.as_mut_ptr().add(i) as *mut __m128i;
+            let r = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(py)), vv);
+            _mm_storeu_si128(py, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+            i += 8;
+        }
+        for a in y[i..].iter_mut() {
+            *a = super::f32_to_f16(super::f16_to_f32(*a) * v);
+        }
+    }
+
+    /// [`mad_tail`] with AVX2, 8 at a time (the rest with the FMA instruction).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mad_tail_avx2(y: &mut [u16], x: &[u16], v: f32) {
+        let n = y.len().min(x.len());
+        let vv = _mm256_set1_ps(v);
+        let mut i = 0;
+        while i + 8 <= n {
+            let py = y.as_mut_ptr().add(i) as *mut __m128i;
+            let ax = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i) as *const __m128i));
+            let r = _mm256_fmadd_ps(ax, vv, _mm256_cvtph_ps(_mm_loadu_si128(py)));
+            _mm_storeu_si128(py, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+            i += 8;
+        }
+        for k in i..n {
+            let r = super::f16_to_f32(x[k]).mul_add(v, super::f16_to_f32(y[k]));
+            y[k] = super::f32_to_f16(r);
+        }
     }
 
     /// [`super::mad_native`] compiled with FMA (a fused multiply-add instruction instead of
