@@ -195,11 +195,24 @@ pub(crate) unsafe fn tile_q6k<const T: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l) as *const i8);
             }
             let dw = f16(rd_u16(x.add(208)));
+            let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
             // unpacked 6-bit values (unsigned) of the 8 groups of 32, and their scales as
             // 16-bit pairs (first 8 lanes' scale, last 8 lanes' scale)
             let mut q = [_mm256_setzero_si256(); 8];
             let mut sc = [_mm256_setzero_si256(); 8];
             for j in 0..2 {
+                // scales 8j..8j+8 in both 128-bit lanes, then one byte shuffle per pair
+                let half = if j == 0 {
+                    _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+                } else {
+                    _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+                };
+                for (k, pat) in Q6K_SCALE_PAIRS.iter().enumerate() {
+                    sc[4 * j + k] = _mm256_shuffle_epi8(
+                        half,
+                        _mm256_loadu_si256(pat.as_ptr() as *const __m256i),
+                    );
+                }
                 let b1 = _mm256_loadu_si256(x.add(64 * j) as *const __m256i);
                 let b2 = _mm256_loadu_si256(x.add(64 * j + 32) as *const __m256i);
                 let h = _mm256_loadu_si256(x.add(128 + 32 * j) as *const __m256i);
@@ -213,15 +226,7 @@ pub(crate) unsafe fn tile_q6k<const T: usize>(
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b1), m15), h2);
                 q[4 * j + 3] =
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b2), m15), h3);
-                for k in 0..4 {
-                    let s0 = *x.add(192 + 8 * j + 2 * k) as i8 as i16;
-                    let s1 = *x.add(192 + 8 * j + 2 * k + 1) as i8 as i16;
-                    sc[4 * j + k] = _mm256_setr_epi16(
-                        s0, s0, s0, s0, s0, s0, s0, s0, s1, s1, s1, s1, s1, s1, s1, s1,
-                    );
-                }
             }
-            let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
             for t in 0..T {
                 if t >= nt {
                     break;
@@ -246,6 +251,25 @@ pub(crate) unsafe fn tile_q6k<const T: usize>(
         }
     }
 }
+
+/// Byte shuffles that spread, from 8 i16 scales in each 128-bit lane, scale `2k` over the
+/// low 8 lanes and scale `2k + 1` over the high 8 lanes (`k = 0..4`).
+const Q6K_SCALE_PAIRS: [[u8; 32]; 4] = {
+    let mut p = [[0u8; 32]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let mut i = 0;
+        while i < 8 {
+            p[k][2 * i] = (4 * k) as u8;
+            p[k][2 * i + 1] = (4 * k + 1) as u8;
+            p[k][16 + 2 * i] = (4 * k + 2) as u8;
+            p[k][16 + 2 * i + 1] = (4 * k + 3) as u8;
+            i += 1;
+        }
+        k += 1;
+    }
+    p
+};
 
 /// [`tile_q6k`] for one activation row, with the GEMV signature.
 ///
