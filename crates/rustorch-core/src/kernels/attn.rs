@@ -374,12 +374,12 @@ mod x86 {
             i += 64;
         }
         let mut out = [0f32; 16];
-        for h in 0..2 {
+        for (h, o) in out.chunks_exact_mut(8).enumerate() {
             let r = _mm256_add_ps(
                 _mm256_add_ps(acc[0][h], acc[2][h]),
                 _mm256_add_ps(acc[1][h], acc[3][h]),
             );
-            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), r);
+            _mm256_storeu_ps(o.as_mut_ptr(), r);
         }
         out
     }

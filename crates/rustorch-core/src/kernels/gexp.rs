@@ -255,7 +255,7 @@ mod tests {
             let x = 85.0 + i as f32 * 0.005;
             xs.extend([x, -x, -x - 15.0, -x - 20.0]);
         }
-        while xs.len() % 16 != 0 {
+        while !xs.len().is_multiple_of(16) {
             xs.push(-0.75);
         }
         let up: Vec<f32> = xs.iter().map(|x| 0.5 - x * 0.01).collect();
