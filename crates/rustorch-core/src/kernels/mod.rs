@@ -308,9 +308,10 @@ fn matmul_fused(
     let n_tok = x.len() / n_cols;
     let simd_gemv = matches!(isa, Isa::Avx2 | Isa::Avx512)
         && n_tok < GEMM_MIN_TOKENS
-        && ws
-            .iter()
-            .all(|w| w.n_cols == n_cols && fmt::from_type(w.ty).is_some() && !q4k_repacked(w))
+        && ws.iter().all(|w| {
+            // one activation row: llama.cpp's repacked Q4_K takes its gemv order
+            w.n_cols == n_cols && fmt::from_type(w.ty).is_some() && (n_tok == 1 || !q4k_repacked(w))
+        })
         && (!glu || ws[0].n_rows == ws[1].n_rows);
     if !simd_gemv {
         while qa.is_empty() {
@@ -380,7 +381,11 @@ fn matmul_fused(
                 groups.div_ceil(per)
             };
             jobs.push(Job {
-                kern: kern(f),
+                kern: if q4k_repacked(w) {
+                    q4k_ggml::x86::gemv_repacked as GemvFn
+                } else {
+                    kern(f)
+                },
                 base: w.data.as_ptr() as usize,
                 rb: w.row_bytes(),
                 nb: w.n_cols / fmt::block_len(f),

@@ -528,6 +528,23 @@ pub(crate) mod x86 {
         }
     }
 
+    /// One activation row (reference Q8_K bytes at `a.q`) against `nrows` rows in the gemv
+    /// order, with the fused GEMV job's signature (`kernels::GemvFn`).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn gemv_repacked(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        a: crate::kernels::fmt::ActRow,
+        out: *mut f32,
+    ) {
+        gemv::<1>(w, rb, nrows, nb, &[a.q], 1, out, 0)
+    }
+
     /// Blocks per chunk of [`gemv`]: the integer sums of 8 rows × this many blocks (× `T`
     /// activation rows) are kept on the stack between the integer and the float passes.
     const GEMV_CHUNK: usize = 32;
