@@ -489,9 +489,17 @@ fn split(pool: &ThreadPool, units: usize, min_per: usize) -> (usize, usize) {
     (units.div_ceil(per), per)
 }
 
-fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
-    let n_rows = w.n_rows;
-    let n_tok = qa.n_rows;
+/// `out[t * n_rows + r] = dot(r, t)` for every weight row `r < n_rows` and activation row
+/// `t < n_tok`, weight rows split over the pool (at least 16 a task): the element-by-element
+/// paths (scalar references, formats without a tiled kernel).
+pub(crate) fn each_output(
+    pool: &ThreadPool,
+    n_rows: usize,
+    n_tok: usize,
+    out: &mut [f32],
+    dot: &(dyn Fn(usize, usize) -> f32 + Sync),
+) {
+    assert!(out.len() >= n_rows * n_tok);
     let dst = SendPtr(out.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_rows, 16);
     pool.run(n_tasks, &|task| {
@@ -499,13 +507,18 @@ fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out:
         // capture the whole Send wrapper, not its raw-pointer field
         let dst = dst;
         for r in task * per..((task + 1) * per).min(n_rows) {
-            let wr = w.row(r);
             for t in 0..n_tok {
-                let v = dot_float(isa, w.ty, w.n_cols, wr, qa.row(t));
-                // SAFETY: each (t, r) is written by exactly one task.
+                let v = dot(r, t);
+                // SAFETY: each (t, r) is written by exactly one task, inside `out` (checked).
                 unsafe { *dst.0.add(t * n_rows + r) = v };
             }
         }
+    });
+}
+
+fn generic_matmul(pool: &ThreadPool, isa: Isa, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    each_output(pool, w.n_rows, qa.n_rows, out, &|r, t| {
+        dot_float(isa, w.ty, w.n_cols, w.row(r), qa.row(t))
     });
 }
 
@@ -641,23 +654,12 @@ fn matmul_q4k_ggml(
         });
         return Ok(());
     }
-    let (n_tasks, per) = split(pool, n_rows, 16);
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
-        for r in task * per..((task + 1) * per).min(n_rows) {
-            let wr = w.row(r);
-            for t in 0..n_tok {
-                let a = &acts[t * arb..(t + 1) * arb];
-                let v = if t < n_gemm {
-                    q4k_ggml::dot_q4k_gemm_ggml(wr, a)
-                } else {
-                    q4k_ggml::dot_q4k_gemv_ggml(wr, a)
-                };
-                // SAFETY: each (t, r) is written by exactly one task.
-                unsafe { *dst.0.add(t * n_rows + r) = v };
-            }
+    each_output(pool, n_rows, n_tok, out, &|r, t| {
+        let a = &acts[t * arb..(t + 1) * arb];
+        if t < n_gemm {
+            q4k_ggml::dot_q4k_gemm_ggml(w.row(r), a)
+        } else {
+            q4k_ggml::dot_q4k_gemv_ggml(w.row(r), a)
         }
     });
     Ok(())
@@ -793,18 +795,8 @@ fn matmul_q6k_tiled(
         });
         return Ok(());
     }
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
-        for r in task * per..((task + 1) * per).min(n_rows) {
-            let wr = w.row(r);
-            for t in 0..n_tok {
-                let v = q6k_tiled::dot_q6k_tiled_ggml(wr, &acts[t * arb..(t + 1) * arb]);
-                // SAFETY: each (t, r) is written by exactly one task.
-                unsafe { *dst.0.add(t * n_rows + r) = v };
-            }
-        }
+    each_output(pool, n_rows, n_tok, out, &|r, t| {
+        q6k_tiled::dot_q6k_tiled_ggml(w.row(r), &acts[t * arb..(t + 1) * arb])
     });
     Ok(())
 }

@@ -16,7 +16,7 @@
 //!   second, reduced by `hsum_float_8` of their sum; an odd last block is added as
 //!   `sum + d · f32(Σ)` (that line is not contracted in the build).
 
-use super::{split, Isa, QActs, QMatrix, SendPtr, ThreadPool};
+use super::{each_output, Isa, QActs, QMatrix, ThreadPool};
 use crate::quant::grids::KVALUES_MXFP4;
 use crate::quant::mxfp4::e8m0_to_f32_half;
 use crate::quant::{f16_to_f32, QuantError};
@@ -39,25 +39,12 @@ pub(crate) fn matmul(
     qa.quantize(Some(pool), isa, GgmlType::Q8_0, x, w.n_cols)?;
     let (n_rows, n_tok, nb) = (w.n_rows, qa.n_rows, w.n_cols / 32);
     let repacked = n_rows.is_multiple_of(8);
-    let dst = SendPtr(out.as_mut_ptr());
-    let (n_tasks, per) = split(pool, n_rows, 16);
     let qa = &*qa;
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
-        for r in task * per..((task + 1) * per).min(n_rows) {
-            let wr = w.row(r);
-            for t in 0..n_tok {
-                let a = qa.row(t);
-                let v = if repacked {
-                    dot_repacked(wr, a, nb)
-                } else {
-                    dot_vec(wr, a, nb)
-                };
-                // SAFETY: each (t, r) is written by exactly one task.
-                unsafe { *dst.0.add(t * n_rows + r) = v };
-            }
+    each_output(pool, n_rows, n_tok, out, &|r, t| {
+        if repacked {
+            dot_repacked(w.row(r), qa.row(t), nb)
+        } else {
+            dot_vec(w.row(r), qa.row(t), nb)
         }
     });
     Ok(())
