@@ -94,8 +94,10 @@ def lse(logits):
     return m + float(np.log(np.sum(np.exp(logits.astype(np.float64) - m))))
 
 
-def record(arch, path):
-    llm = Llama(
+def open_model(path, **extra):
+    """The model with the recording settings: 512 cells, one batch, 2 threads, every
+    position's logits, flash attention (`extra`: KV cache types)."""
+    return Llama(
         model_path=path,
         n_ctx=512,
         n_batch=512,
@@ -103,7 +105,12 @@ def record(arch, path):
         logits_all=True,
         flash_attn=True,
         verbose=False,
+        **extra,
     )
+
+
+def record(arch, path):
+    llm = open_model(path)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     cases = []
     for ci, prompt in enumerate(PROMPTS):
@@ -152,17 +159,7 @@ def record_kv(arch, path):
     ggml = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
     types = {}
     for tk, tv in KV_TYPES[arch]:
-        llm = Llama(
-            model_path=path,
-            n_ctx=512,
-            n_batch=512,
-            n_threads=2,
-            logits_all=True,
-            flash_attn=True,
-            verbose=False,
-            type_k=ggml[tk],
-            type_v=ggml[tv],
-        )
+        llm = open_model(path, type_k=ggml[tk], type_v=ggml[tv])
         cases = []
         for prompt in PROMPTS:
             llm.reset()
