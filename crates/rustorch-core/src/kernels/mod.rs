@@ -165,7 +165,8 @@ pub const GEMM_MIN_TOKENS: usize = 2;
 
 /// Runs `f(first_row, rows)` over `data` (rows of `row_len` values) split into runs of at
 /// least `min_rows` rows spread over the pool; elementwise row operations give the same
-/// results however the rows are split.
+/// results however the rows are split. A few rows, or few values (a decode step, per-head
+/// norms), run here in one call: they cost less than a round trip through the pool.
 pub fn par_rows(
     pool: &ThreadPool,
     data: &mut [f32],
@@ -177,6 +178,10 @@ pub fn par_rows(
         return;
     }
     let n_rows = data.len() / row_len;
+    if n_rows < 4 || data.len() < 32 * 1024 {
+        f(0, data);
+        return;
+    }
     let (n_tasks, per) = split(pool, n_rows, min_rows);
     let dst = SendPtr(data.as_mut_ptr());
     pool.run(n_tasks, &|task| {
@@ -451,22 +456,8 @@ fn matmul_fused(
 
 /// `gate = silu(gate) * up` over rows of `n` values, split over the pool for large inputs.
 fn swiglu_rows(pool: &ThreadPool, isa: Isa, gate: &mut [f32], up: &[f32], n: usize) {
-    let n_tok = gate.len() / n.max(1);
-    // a few short rows cost less than a round trip through the pool
-    if n_tok < 4 || gate.len() < 32 * 1024 {
-        gexp::swiglu(isa, gate, up, n);
-        return;
-    }
-    let dst = SendPtr(gate.as_mut_ptr());
-    let (n_tasks, per) = split(pool, n_tok, 1);
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
-        let (t0, t1) = (task * per, ((task + 1) * per).min(n_tok));
-        // SAFETY: tasks own disjoint token rows.
-        let g = unsafe { std::slice::from_raw_parts_mut(dst.0.add(t0 * n), (t1 - t0) * n) };
-        gexp::swiglu(isa, g, &up[t0 * n..t1 * n], n);
+    par_rows(pool, gate, n.max(1), 1, &|t0, g| {
+        gexp::swiglu(isa, g, &up[t0 * n..t0 * n + g.len()], n)
     });
 }
 
