@@ -314,8 +314,8 @@ fn matmul_fused(
     let simd_gemv = matches!(isa, Isa::Avx2 | Isa::Avx512)
         && n_tok < GEMM_MIN_TOKENS
         && ws.iter().all(|w| {
-            // one activation row: llama.cpp's repacked Q4_K takes its gemv order
-            w.n_cols == n_cols && fmt::from_type(w.ty).is_some() && (n_tok == 1 || !q4k_repacked(w))
+            // below 4 activation rows llama.cpp's repacked Q4_K takes only its gemv order
+            w.n_cols == n_cols && fmt::from_type(w.ty).is_some() && (n_tok < 4 || !q4k_repacked(w))
         })
         && (!glu || ws[0].n_rows == ws[1].n_rows);
     if !simd_gemv {
