@@ -18,7 +18,7 @@ use rustorch_llm::{Batch, Model, ModelError, Placement, Runtime};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use common::{argmax, ids, root};
+use common::{argmax, decode_one, ids, root};
 
 struct Case {
     tokens: Vec<u32>,
@@ -126,14 +126,7 @@ fn run(arch: &str, threads: usize) {
             if s + 1 == case.continuation.len() {
                 break;
             }
-            let mut b = Batch::new();
-            b.push(tok, (np + s) as u32, 0, true);
-            logits = model
-                .forward(&b, &mut cache, &rt)
-                .expect("decode")
-                .last(nv)
-                .expect("logits")
-                .to_vec();
+            logits = decode_one(&model, &mut cache, &rt, tok, np + s);
         }
         let same = ours == case.continuation;
         report.push(format!(
@@ -301,14 +294,8 @@ fn gpt_oss_quantized_kv_cache() {
                 if want.as_str() != Some(got.as_str()) {
                     differ.push((ci, s));
                 }
-                let mut b = Batch::new();
-                b.push(argmax(&logits) as u32, (tokens.len() + s) as u32, 0, true);
-                logits = model
-                    .forward(&b, &mut cache, &rt)
-                    .expect("decode")
-                    .last(nv)
-                    .expect("logits")
-                    .to_vec();
+                let tok = argmax(&logits) as u32;
+                logits = decode_one(&model, &mut cache, &rt, tok, tokens.len() + s);
             }
         }
         eprintln!(

@@ -5,7 +5,25 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use rustorch_core::gguf::GgufFile;
-use rustorch_llm::{Batch, Model, Runtime};
+use rustorch_llm::{Batch, KvCache, Model, Runtime};
+
+/// Decodes one token `tok` at position `pos` of sequence 0 and returns its logits.
+pub fn decode_one(
+    model: &Model,
+    cache: &mut KvCache,
+    rt: &Runtime,
+    tok: u32,
+    pos: usize,
+) -> Vec<f32> {
+    let mut b = Batch::new();
+    b.push(tok, pos as u32, 0, true);
+    model
+        .forward(&b, cache, rt)
+        .expect("decode")
+        .last(model.hparams().n_vocab)
+        .expect("logits")
+        .to_vec()
+}
 
 /// The repository root: `RUSTORCH_ROOT`, or where this crate was built (a test binary
 /// carried to another machine is pointed at its copy of the repository).
