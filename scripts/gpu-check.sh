@@ -40,6 +40,9 @@ done
 if [ -n "$test_bin" ]; then
   echo "== GPU tests"
   RUSTORCH_GPU_MODELS="$(IFS=,; echo "${models[*]}")" "$test_bin" --nocapture
+  echo "== the persistent decode kernel against graph replays (bit for bit)"
+  RUSTORCH_CUDA_MEGA=1 RUSTORCH_GPU_MODELS="$(IFS=,; echo "${models[*]}")" \
+    "$test_bin" megakernel_equals_graphs --nocapture
 fi
 
 for m in "${models[@]}"; do

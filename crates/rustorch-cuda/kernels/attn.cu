@@ -193,8 +193,8 @@ ATTN_KERNEL(2)
 ATTN_KERNEL(4)
 ATTN_KERNEL(8)
 
-// Merges the n_split partial results of each (row, head): grid (n_head, n_rows, hd / 32
-// rounded up), 32 threads, one output element each.
+// Merges the n_split partial results of each (row, head): grid (n_head, n_rows, hd /
+// blockDim rounded up), one output element per thread.
 extern "C" __global__ void attn_combine(const float *__restrict__ part, float *__restrict__ out,
                                         int n_head, int hd, int n_split, i8 *__restrict__ aq,
                                         float2 *__restrict__ ads, int quant, int cpu) {

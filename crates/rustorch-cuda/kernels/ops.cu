@@ -5,6 +5,7 @@
 // CPU does; one block per row, blockDim a multiple of 32. With y, first x += y (stored).
 // With quant (n a multiple of 32), out is also quantized into (aq, ads) as quantize_q8_1
 // does (cpu: its ggml-cpu rule): each warp's 32 consecutive values form one block.
+#define RMS_REG 4
 extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
                                     const float *__restrict__ w, float *out, int n, float eps,
                                     i8 *__restrict__ aq, float2 *__restrict__ ads, int quant,
@@ -12,24 +13,31 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
     __shared__ double sm[32];
     const size_t base = (size_t)blockIdx.x * n;
     double s = 0.0;
-    // the first 4 values of each thread (all of them up to 4 * blockDim) stay in registers
-    // with their weights, loaded together, so the second pass waits on no memory
-    float xv[4], wv[4];
+    // the first RMS_REG values of each thread (all of them up to RMS_REG * blockDim) stay in
+    // registers with their weights, all loaded before any is used, so neither pass waits on
+    // memory more than once
+    float xv[RMS_REG], wv[RMS_REG];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < RMS_REG; k++) {
         const int i = threadIdx.x + k * blockDim.x;
+        xv[k] = 0.0f;
+        wv[k] = 0.0f;
         if (i < n) {
-            float v = x[base + i];
+            xv[k] = x[base + i];
             wv[k] = w[i];
-            if (y != 0) {
-                v = v + y[base + i];
-                x[base + i] = v;
-            }
-            xv[k] = v;
-            s += (double)__fmul_rn(v, v);
+            if (y != 0) xv[k] = xv[k] + y[base + i];
         }
     }
-    for (int i = threadIdx.x + 4 * blockDim.x; i < n; i += blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < RMS_REG; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) {
+            if (y != 0) x[base + i] = xv[k];
+            s += (double)__fmul_rn(xv[k], xv[k]);
+        }
+    }
+#pragma unroll 4
+    for (int i = threadIdx.x + RMS_REG * blockDim.x; i < n; i += blockDim.x) {
         float v = x[base + i];
         if (y != 0) {
             v = v + y[base + i];
@@ -54,7 +62,7 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
     const int ng = n >> 5;
     // (i < n is the same for a whole warp: n and blockDim are multiples of 32 when quant)
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < RMS_REG; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n) {
             const float o = __fmul_rn(__fmul_rn(xv[k], scale), wv[k]);
@@ -63,7 +71,8 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
                 quantize_lane(o, aq, base + i, &ads[(size_t)blockIdx.x * ng + (i >> 5)], cpu);
         }
     }
-    for (int i = threadIdx.x + 4 * blockDim.x; i < n; i += blockDim.x) {
+#pragma unroll 4
+    for (int i = threadIdx.x + RMS_REG * blockDim.x; i < n; i += blockDim.x) {
         const float o = __fmul_rn(__fmul_rn(x[base + i], scale), w[i]);
         out[base + i] = o;
         if (quant)

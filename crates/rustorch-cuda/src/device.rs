@@ -2,7 +2,7 @@
 //! (from the on-disk cache, or compiled with NVRTC on first use).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use cudarc::driver::{
@@ -12,6 +12,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use cudarc::nvrtc::Ptx;
 
 use crate::error::{CudaError, Result};
+use crate::mega::MegaModule;
 use crate::nvrtc::{self, Image, Nvrtc};
 
 /// The kernel sources, compiled together as one program (common.cuh first).
@@ -74,6 +75,11 @@ pub struct CudaDevice {
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
     rec: Arc<Mutex<Recorder>>,
+    /// The persistent decode kernel's module, loaded on first use (see [`crate::mega`]).
+    mega: Arc<OnceLock<std::result::Result<Arc<MegaModule>, String>>>,
+    /// Device allocations made so far (a dry run that allocates may have recorded
+    /// addresses of buffers it then replaced).
+    allocs: Arc<std::sync::atomic::AtomicU64>,
     pub info: DeviceInfo,
     pub module: ModuleInfo,
 }
@@ -89,11 +95,85 @@ pub enum LaunchMode {
 }
 
 /// The signature of the launches since the mode was set: an FNV-1a hash of each kernel's
-/// name, grid, block and argument bytes, in order.
+/// name, grid, block and argument bytes, in order. Where `RUSTORCH_CUDA_MEGA=1`, a dry run
+/// also keeps the launches themselves (for [`crate::mega`]).
 struct Recorder {
     mode: LaunchMode,
     hash: u64,
     launches: usize,
+    recorded: Recorded,
+}
+
+/// Launches kept by a dry run, in order, in flat buffers reused from one run to the next:
+/// kernel names, and each launch's arguments packed at their natural alignment (as a C
+/// struct of the kernel's parameters would hold them).
+#[derive(Default)]
+pub(crate) struct Recorded {
+    names: String,
+    args: Vec<u8>,
+    meta: Vec<RecMeta>,
+}
+
+/// Where one recorded launch lies in [`Recorded`]'s buffers.
+#[derive(Clone, Copy)]
+struct RecMeta {
+    /// End of the name in `names`.
+    name_end: usize,
+    grid: (u32, u32, u32),
+    block: u32,
+    /// Start and end of the arguments in `args`.
+    args: (usize, usize),
+}
+
+/// One recorded launch.
+pub(crate) struct RecLaunch<'a> {
+    pub name: &'a str,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub args: &'a [u8],
+}
+
+impl Recorded {
+    fn clear(&mut self) {
+        self.names.clear();
+        self.args.clear();
+        self.meta.clear();
+    }
+
+    fn push(&mut self, name: &str, grid: (u32, u32, u32), block: u32, args: &[&dyn KernelArg]) {
+        self.names.push_str(name);
+        let start = self.args.len().next_multiple_of(16);
+        self.args.resize(start, 0);
+        for a in args {
+            let at = (self.args.len() - start).next_multiple_of(a.align()) + start;
+            self.args.resize(at, 0);
+            self.args.extend_from_slice(a.bytes());
+        }
+        self.meta.push(RecMeta {
+            name_end: self.names.len(),
+            grid,
+            block,
+            args: (start, self.args.len()),
+        });
+    }
+
+    pub fn len(&self) -> usize {
+        self.meta.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = RecLaunch<'_>> {
+        let mut name0 = 0;
+        self.meta.iter().map(move |m| {
+            let name = &self.names[name0..m.name_end];
+            name0 = m.name_end;
+            RecLaunch {
+                name,
+                grid: m.grid,
+                block: m.block,
+                args: &self.args[m.args.0..m.args.1],
+            }
+        })
+    }
 }
 
 impl Recorder {
@@ -151,7 +231,7 @@ impl CudaDevice {
                 as usize,
             driver_version,
         };
-        let (module, minfo) = load_module(&ctx, cc, driver_version)?;
+        let (module, minfo) = load_module(&ctx, cc, driver_version, &kernel_source(), "kernels")?;
         let mut funcs = HashMap::new();
         for name in crate::kernels::kernel_names() {
             let f = module.load_function(&name).map_err(|e| {
@@ -168,7 +248,10 @@ impl CudaDevice {
                 mode: LaunchMode::Run,
                 hash: 0,
                 launches: 0,
+                recorded: Recorded::default(),
             })),
+            mega: Arc::new(OnceLock::new()),
+            allocs: Arc::default(),
             info,
             module: minfo,
         })
@@ -203,12 +286,46 @@ impl CudaDevice {
         self.rec.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sets what launches do from now on and starts a new signature.
+    /// Sets what launches do from now on and starts a new signature (a dry run also a new
+    /// list of recorded launches, kept until the next dry run).
     pub fn set_launch_mode(&self, mode: LaunchMode) {
         let mut r = self.recorder();
         r.mode = mode;
         r.hash = 0xcbf29ce484222325;
         r.launches = 0;
+        if mode == LaunchMode::DryRun {
+            r.recorded.clear();
+        }
+    }
+
+    /// Device allocations made through [`CudaDevice::alloc`] so far.
+    pub(crate) fn alloc_count(&self) -> u64 {
+        self.allocs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `f` of the launches the last dry run recorded.
+    pub(crate) fn with_recorded<R>(&self, f: impl FnOnce(&Recorded) -> R) -> R {
+        f(&self.recorder().recorded)
+    }
+
+    /// The persistent decode kernel (compiled or read from the cache on first use), or why
+    /// there is none.
+    pub fn mega(&self) -> std::result::Result<Arc<MegaModule>, String> {
+        self.mega
+            .get_or_init(|| {
+                let (module, info) = load_module(
+                    &self.ctx,
+                    self.info.compute_capability,
+                    self.info.driver_version,
+                    &crate::mega::mega_source(),
+                    "mega",
+                )
+                .map_err(|e| e.to_string())?;
+                MegaModule::new(self, module, info)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
     }
 
     pub fn launch_mode(&self) -> LaunchMode {
@@ -253,6 +370,9 @@ impl CudaDevice {
                     r.mix(a.bytes());
                 }
                 if r.mode == LaunchMode::DryRun {
+                    if crate::kernels::arith().mega {
+                        r.recorded.push(name, grid, block, args);
+                    }
                     return Ok(());
                 }
             }
@@ -316,6 +436,8 @@ impl CudaDevice {
 
     /// A device buffer of `n` values (at least one element is allocated), contents unset.
     pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<GpuVec<T>> {
+        self.allocs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: the memory is written before it is read by every user of GpuVec.
         let buf = unsafe { self.stream.alloc::<T>(n.max(1)) }?;
         let ptr = raw_ptr(&buf, &self.stream);
@@ -369,8 +491,9 @@ fn load_module(
     ctx: &Arc<CudaContext>,
     cc: (i32, i32),
     driver_version: i32,
+    src: &str,
+    stem: &str,
 ) -> Result<(Arc<CudaModule>, ModuleInfo)> {
-    let src = kernel_source();
     let sm = cc.0 * 10 + cc.1;
     let cubin_target = format!("sm_{sm}");
     let key = |target: &str| {
@@ -389,7 +512,7 @@ fn load_module(
             "ptx"
         };
         dir.as_ref()
-            .map(|d| d.join(format!("kernels-{target}-{:016x}.{ext}", key(target))))
+            .map(|d| d.join(format!("{stem}-{target}-{:016x}.{ext}", key(target))))
     };
     // cached cubin or PTX
     for target in [cubin_target.clone(), format!("compute_{sm}")] {
@@ -436,7 +559,7 @@ fn load_module(
         format!("compute_{best}")
     };
     let t0 = Instant::now();
-    let image = nv.compile(&src, &target, &NVRTC_OPTS)?;
+    let image = nv.compile(src, &target, &NVRTC_OPTS)?;
     let compile_s = t0.elapsed().as_secs_f64();
     let path = file_for(&target);
     if let Some(p) = &path {
@@ -489,6 +612,8 @@ pub(crate) trait KernelArg {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
     /// The value's bytes, as the kernel receives them.
     fn bytes(&self) -> &[u8];
+    /// The value's alignment.
+    fn align(&self) -> usize;
 }
 
 impl<T: DeviceRepr> KernelArg for T {
@@ -502,6 +627,10 @@ impl<T: DeviceRepr> KernelArg for T {
         unsafe {
             std::slice::from_raw_parts((self as *const T).cast::<u8>(), std::mem::size_of::<T>())
         }
+    }
+
+    fn align(&self) -> usize {
+        std::mem::align_of::<T>()
     }
 }
 

@@ -29,7 +29,7 @@ pub const FORMATS: [(GgmlType, &str); 15] = [
 /// Tokens per matrix-vector launch (kernels exist for 1, 2, 4 and 8).
 const TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
 /// Head sizes up to 32 * E for the attention kernels of E values per lane.
-const ATTN_E: [usize; 3] = [2, 4, 8];
+pub(crate) const ATTN_E: [usize; 3] = [2, 4, 8];
 const MMV_THREADS: usize = 128;
 
 /// Arithmetic choices where the GPU follows our CPU backend (llama.cpp's CPU) more or less
@@ -42,11 +42,14 @@ const MMV_THREADS: usize = 128;
 /// to f16 after every update) instead of the split f32 kernel: slower, for comparisons.
 /// `RUSTORCH_CUDA_DECODE=tiled` runs one-token products with the multi-token kernels
 /// (several threads per row, shared-memory sums) instead of a warp per row: for comparisons.
+/// `RUSTORCH_CUDA_MEGA=1` runs decode steps as one persistent kernel (see [`crate::mega`];
+/// slower than graphs so far) and launches RMSNorm with its block size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arith {
     pub q8_cpu: bool,
     pub attn_cpu: bool,
     pub decode_kernels: bool,
+    pub mega: bool,
 }
 
 pub fn arith() -> Arith {
@@ -57,6 +60,7 @@ pub fn arith() -> Arith {
             q8_cpu: var("RUSTORCH_CUDA_Q8") != "f32",
             attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu",
             decode_kernels: var("RUSTORCH_CUDA_DECODE") != "tiled",
+            mega: var("RUSTORCH_CUDA_MEGA") == "1",
         }
     })
 }
@@ -268,7 +272,9 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        self.launch(name, (blocks(n, 256), 1, 1), 256, args)
+        // the persistent decode kernel (crate::mega) runs blocks of 128 threads
+        let bs = if arith().mega { 128 } else { 256 };
+        self.launch(name, (blocks(n, bs), 1, 1), bs as u32, args)
     }
 
     /// Quantizes `n_tok` rows of `n_cols` activations into `s` (8-bit codes and a scale
@@ -290,10 +296,12 @@ impl CudaDevice {
         s.ads.resize(self, n_tok * ng * 2)?;
         let (xp, aq, ads, nc) = (x.ptr(), s.aq.ptr(), s.ads.ptr(), n_cols as i32);
         let cpu = i32::from(arith().q8_cpu);
+        // warps per block (a block of 32 values each): 4 for the persistent decode kernel
+        let warps = if arith().mega { 4 } else { 8 };
         self.launch(
             "quantize_q8_1",
-            (blocks(ng, 8), n_tok as u32, 1),
-            256,
+            (blocks(ng, warps), n_tok as u32, 1),
+            32 * warps as u32,
             &[&xp, &aq, &ads, &nc, &cpu],
         )?;
         Ok(())
@@ -639,7 +647,10 @@ impl CudaDevice {
             return Ok(());
         }
         let (wp, ni, cpu) = (w.ptr(), n as i32, i32::from(arith().q8_cpu));
-        let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        // with the persistent decode kernel, 128 threads at most: its blocks (crate::mega)
+        // run the norm with 128, so the f64 sum of squares is summed in the same order here
+        let most = if arith().mega { 128 } else { 1024 };
+        let threads = (n.div_ceil(32) * 32).clamp(32, most) as u32;
         self.launch(
             "rms_norm",
             ((len / n) as u32, 1, 1),
@@ -951,10 +962,12 @@ impl CudaDevice {
             ],
         )?;
         if n_split > 1 {
+            // one thread per output value (128 per block for the persistent kernel)
+            let bs = if arith().mega { 128 } else { 32 };
             self.launch(
                 "attn_combine",
-                (nh as u32, n as u32, hd.div_ceil(32) as u32),
-                32,
+                (nh as u32, n as u32, hd.div_ceil(bs) as u32),
+                bs as u32,
                 &[&pp, &op, &nhi, &hdi, &ns, &aq, &ads, &quant, &cpu],
             )?;
         }

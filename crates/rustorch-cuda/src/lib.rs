@@ -11,6 +11,7 @@ pub mod device;
 pub mod error;
 pub mod kernels;
 pub mod kv;
+pub mod mega;
 pub mod nvrtc;
 pub mod probe;
 pub mod step;

@@ -289,4 +289,26 @@ mod compile_tests {
             Err(e) => panic!("{e}"),
         }
     }
+
+    /// The persistent decode kernel's module (crate::mega) compiles, with its two entries
+    /// its only kernels.
+    #[test]
+    fn mega_compiles() {
+        let nv = match Nvrtc::load() {
+            Ok(nv) => nv,
+            Err(e) => {
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "SKIPPED: mega_compiles: {e}");
+                return;
+            }
+        };
+        let src = crate::mega::mega_source();
+        let ptx = match nv.compile(&src, "compute_90", &crate::device::NVRTC_OPTS) {
+            Ok(Image::Ptx(p)) => p,
+            Ok(Image::Cubin(_)) => panic!("asked for PTX"),
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(ptx.matches(".entry ").count(), 2);
+        assert!(ptx.contains(".entry mega_step(") && ptx.contains(".entry mega_step8("));
+    }
 }

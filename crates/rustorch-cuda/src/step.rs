@@ -235,6 +235,8 @@ pub struct GraphStats {
     pub replayed: u64,
     /// Captures that failed (those steps run op by op from then on).
     pub failed: u64,
+    /// Calls run as one persistent kernel (see [`crate::mega`]).
+    pub mega: u64,
     /// Host time of calls that may use graphs, in nanoseconds: uploading inputs, the dry
     /// runs, capturing, and launching and reading back replays.
     pub prepare_ns: u64,
@@ -284,11 +286,20 @@ pub struct CudaState {
     pub(crate) tmp: GpuVec<f32>,
     pub(crate) inp: Prepared,
     pub(crate) graphs: Graphs,
+    pub(crate) progs: crate::mega::Programs,
+    /// Decode steps kept off the persistent kernel even where `RUSTORCH_CUDA_MEGA=1`.
+    pub(crate) mega_off: bool,
 }
 
 impl CudaState {
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats
+    }
+
+    /// Where `RUSTORCH_CUDA_MEGA=1`: turns the persistent decode kernel off (steps then
+    /// replay CUDA graphs) or back on.
+    pub fn set_mega(&mut self, on: bool) {
+        self.mega_off = !on;
     }
 }
 

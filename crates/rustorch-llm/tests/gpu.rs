@@ -146,6 +146,80 @@ fn check(name: &str, r: &Report) {
     assert!(r.top1 >= 0.98, "{name}: top-1 agreement {}", r.top1);
 }
 
+/// Greedy decode logits of `steps` steps after each prompt, on `gpu` as it is set.
+fn decode_logits(gpu: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
+    let rt = Runtime::new(2);
+    let mut out = Vec::new();
+    for tokens in prompts {
+        let mut cache = gpu.new_cache(tokens.len() + steps + 1);
+        let mut l = prompt_logits(gpu, tokens, &mut cache, &rt);
+        for s in 0..steps {
+            let t = argmax(&l) as u32;
+            l = step(gpu, t, tokens.len() + s, &mut cache, &rt);
+            out.push(l.clone());
+        }
+    }
+    out
+}
+
+/// The persistent decode kernel runs the very launches a CUDA graph would replay: its
+/// logits equal the graphs' bit for bit, and it did run the steps. Needs
+/// `RUSTORCH_CUDA_MEGA=1` (the path is opt-in; scripts/gpu-check.sh sets it for this test).
+#[test]
+fn megakernel_equals_graphs() {
+    if std::env::var("RUSTORCH_CUDA_MEGA").as_deref() != Ok("1") {
+        eprintln!("SKIPPED: megakernel_equals_graphs: RUSTORCH_CUDA_MEGA=1 is not set");
+        return;
+    }
+    let prompts = fixture_prompts();
+    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
+    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
+    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
+    for path in models {
+        let Some((_, gpu, tok)) = open(&path) else {
+            continue;
+        };
+        let toks: Vec<Vec<u32>> = prompts[..4]
+            .iter()
+            .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
+            .collect();
+        let before = gpu.cuda_graph_stats().expect("stats");
+        let mega = decode_logits(&gpu, &toks, 24);
+        let mid = gpu.cuda_graph_stats().expect("stats");
+        gpu.set_cuda_megakernel(false);
+        let graphs = decode_logits(&gpu, &toks, 24);
+        let after = gpu.cuda_graph_stats().expect("stats");
+        eprintln!(
+            "{}: {} steps as one kernel, then {} graph replays ({} captures)",
+            path.display(),
+            mid.mega - before.mega,
+            after.replayed - mid.replayed,
+            after.captured - mid.captured
+        );
+        assert!(
+            mid.mega - before.mega >= 90,
+            "the persistent kernel ran too few steps"
+        );
+        assert_eq!(after.mega, mid.mega);
+        let bad = mega
+            .iter()
+            .zip(&graphs)
+            .filter(|(a, b)| {
+                a.iter()
+                    .zip(b.iter())
+                    .any(|(x, y)| x.to_bits() != y.to_bits())
+            })
+            .count();
+        assert_eq!(
+            bad,
+            0,
+            "{}: {bad} of {} steps differ",
+            path.display(),
+            mega.len()
+        );
+    }
+}
+
 #[test]
 fn gpu_matches_cpu() {
     let prompts = fixture_prompts();

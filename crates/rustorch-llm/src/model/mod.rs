@@ -866,6 +866,17 @@ impl Model {
         }
     }
 
+    /// On the GPU with `RUSTORCH_CUDA_MEGA=1`: whether decode steps may run as one
+    /// persistent kernel or replay CUDA graphs; nothing otherwise.
+    pub fn set_cuda_megakernel(&self, on: bool) {
+        if let Placed::Cuda(c) = &self.placed {
+            c.state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set_mega(on);
+        }
+    }
+
     /// The GPU's name when the model runs on one.
     pub fn gpu_name(&self) -> Option<String> {
         match &self.placed {
