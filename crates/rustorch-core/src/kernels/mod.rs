@@ -222,10 +222,10 @@ pub fn matmul_with(
     let n_tok = x.len() / w.n_cols;
     debug_assert_eq!(out.len(), n_tok * w.n_rows);
     if q4k_repacked(w) {
-        return matmul_q4k_ggml(pool, w, x, out);
+        return matmul_q4k_ggml(pool, isa, w, x, out);
     }
     if w.ty == GgmlType::Q6_K && n_tok >= 8 && cfg!(target_arch = "x86_64") {
-        return matmul_q6k_tiled(pool, w, x, out);
+        return matmul_q6k_tiled(pool, isa, w, x, out);
     }
     if float_mm::is_float(w.ty) {
         float_mm::matmul_float(pool, isa, w, x, out);
@@ -566,6 +566,7 @@ fn q4k_repacked(w: &QMatrix<'_>) -> bool {
 /// float order, the rest are quantized with the reference Q8_K rule and use the gemv order.
 fn matmul_q4k_ggml(
     pool: &ThreadPool,
+    isa: Isa,
     w: &QMatrix<'_>,
     x: &[f32],
     out: &mut [f32],
@@ -585,12 +586,12 @@ fn matmul_q4k_ggml(
     let n_rows = w.n_rows;
     let dst = SendPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && n_gemm > 0 {
-        x86_q4k_panels(pool, w, &acts, n_tok, n_gemm, out);
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) && n_gemm > 0 {
+        x86_q4k_panels(pool, w, &acts, n_tok, n_gemm, out, isa == Isa::Avx512);
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx2 | Isa::Avx512) {
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
         // Rows in groups of 8 over the pool; inside a task, blocks of 64 rows (L2-sized)
         // against all tokens: tiles of 4 gemm rows, then the gemv rows one by one.
         let rb = w.row_bytes();
@@ -609,7 +610,7 @@ fn matmul_q4k_ggml(
                     let nt = (n_gemm - t0).min(16);
                     let a: [*const u8; 16] =
                         std::array::from_fn(|i| acts[(t0 + i.min(nt - 1)) * arb..].as_ptr());
-                    // SAFETY: AVX2+FMA+F16C checked by `isa()`; rows r0..r0+nr and tokens
+                    // SAFETY: AVX2+FMA+F16C checked by `isa`; rows r0..r0+nr and tokens
                     // t0..t0+nt are in bounds, each (t, r) is written by exactly one task.
                     unsafe {
                         q4k_ggml::x86::tile::<true, 16>(
@@ -656,9 +657,10 @@ fn matmul_q4k_ggml(
     Ok(())
 }
 
-/// [`matmul_q4k_ggml`] for prompt batches on AVX-512: each 16-row weight panel is unpacked
-/// once (`x86::pack_panel`) and multiplied with tiles of 4 activation rows, rows in the
-/// lanes (`avx512::gemm_q4k_exact`), the gemm rows and the gemv rows each in their order.
+/// [`matmul_q4k_ggml`] for prompt batches: each 16-row weight panel is unpacked once
+/// (`x86::pack_panel`) and multiplied with tiles of 4 activation rows, rows in the lanes
+/// (`avx512::gemm_q4k_exact`, or with `!avx512` its 8-lane twin `avx2::gemm_q4k_exact`), the
+/// gemm rows and the gemv rows each in their order.
 #[cfg(target_arch = "x86_64")]
 fn x86_q4k_panels(
     pool: &ThreadPool,
@@ -667,6 +669,7 @@ fn x86_q4k_panels(
     n_tok: usize,
     n_gemm: usize,
     out: &mut [f32],
+    avx512: bool,
 ) {
     let n_rows = w.n_rows;
     let nb = w.n_cols / 256;
@@ -683,7 +686,7 @@ fn x86_q4k_panels(
         s: std::ptr::null(),
         isum: std::ptr::null(),
     };
-    // AVX-512, which the packing needs, was detected by the caller.
+    // AVX2 (the packing) and, with `avx512`, AVX-512 were detected by the caller.
     for_each_panel(
         pool,
         w,
@@ -695,8 +698,8 @@ fn x86_q4k_panels(
             #[allow(clippy::redundant_locals)]
             // capture the whole Send wrapper, not its raw-pointer field
             let dst = dst;
-            // SAFETY: AVX-512 was detected; the panel holds `pbytes`; a tile writes outputs
-            // (t, r0..r0+nvalid) of its own valid tokens only.
+            // SAFETY: the features were detected; the panel holds `pbytes`; a tile writes
+            // outputs (t, r0..r0+nvalid) of its own valid tokens only.
             unsafe {
                 let mut t0 = 0;
                 while t0 < n_tok {
@@ -714,10 +717,19 @@ fn x86_q4k_panels(
                         out: dst.0.add(t0 * n_rows + r0),
                         ostride: n_rows,
                     };
-                    if gemm {
-                        x86::avx512::gemm_q4k_exact::<4, true>(panel, nb, tile, nvalid);
-                    } else {
-                        x86::avx512::gemm_q4k_exact::<4, false>(panel, nb, tile, nvalid);
+                    match (avx512, gemm) {
+                        (true, true) => {
+                            x86::avx512::gemm_q4k_exact::<4, true>(panel, nb, tile, nvalid)
+                        }
+                        (true, false) => {
+                            x86::avx512::gemm_q4k_exact::<4, false>(panel, nb, tile, nvalid)
+                        }
+                        (false, true) => {
+                            x86::avx2::gemm_q4k_exact::<4, true>(panel, nb, tile, nvalid)
+                        }
+                        (false, false) => {
+                            x86::avx2::gemm_q4k_exact::<4, false>(panel, nb, tile, nvalid)
+                        }
                     }
                     t0 += nt;
                 }
@@ -730,6 +742,7 @@ fn x86_q4k_panels(
 /// computes them (see `q6k_tiled`).
 fn matmul_q6k_tiled(
     pool: &ThreadPool,
+    isa: Isa,
     w: &QMatrix<'_>,
     x: &[f32],
     out: &mut [f32],
@@ -745,7 +758,7 @@ fn matmul_q6k_tiled(
     let dst = SendPtr(out.as_mut_ptr());
     let (n_tasks, per) = split(pool, n_rows, 16);
     #[cfg(target_arch = "x86_64")]
-    if let isa @ (Isa::Avx2 | Isa::Avx512) = isa() {
+    if let isa @ (Isa::Avx2 | Isa::Avx512) = isa {
         let (rb, nb) = (w.row_bytes(), n_cols / 256);
         pool.run(n_tasks, &|task| {
             #[allow(clippy::redundant_locals)]

@@ -252,3 +252,82 @@ pub(crate) unsafe fn gemm_k<const F: u8, const T: usize>(
         store_rows(tile.out.add(t * tile.ostride), *acc, nvalid);
     }
 }
+
+/// [`super::avx512::gemm_q4k_exact`] on 8-lane vectors: a Q4_K panel (16 rows, packed by
+/// `x86::pack_panel`) against up to `T` Q8_K activation rows, rows in the lanes, one 8-row
+/// half of the panel after the other, with the float steps of llama.cpp's repacked Q4_K
+/// kernels (gemm order with `GEMM`, else the gemv order). The integer sums are those of
+/// `vpdpbusd`: `vpmaddubsw` pairs (at most 2·15·128) summed in 16 bits over a sub-block's
+/// 8 quads (at most 30720, no saturation), then widened by `vpmaddwd`; so every lane
+/// performs exactly the scalar sequence.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; the panel holds `nb` packed super-blocks; the
+/// activations' `d` side array holds each block's Q8_K scale; `tile.out` is writable for
+/// rows `< nvalid` of the tile's valid tokens.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn gemm_q4k_exact<const T: usize, const GEMM: bool>(
+    panel: *const u8,
+    nb: usize,
+    tile: Tile,
+    nvalid: usize,
+) {
+    let a: [ActRow; T] = std::array::from_fn(|t| tile.act(t));
+    let pbb = panel_block_bytes(Q4_K);
+    let zero = _mm256_setzero_si256();
+    let ones = _mm256_set1_epi16(1);
+    for h in 0..2 {
+        if 8 * h >= nvalid {
+            break;
+        }
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut accm = [_mm256_setzero_ps(); T];
+        for sb in 0..nb {
+            let pb = panel.add(sb * pbb + 32 * h);
+            let ao = sb * 292;
+            let d = _mm256_loadu_ps(pb.add(5120) as *const f32);
+            let dmin = _mm256_loadu_ps(pb.add(5184) as *const f32);
+            let (pairs, per) = if GEMM { (4, 2) } else { (1, 8) };
+            for p in 0..pairs {
+                let mut isum = [zero; T];
+                let mut imin = [zero; T];
+                for g in p * per..(p + 1) * per {
+                    let mut s = [zero; T];
+                    for qq in 0..8 {
+                        let q = g * 8 + qq;
+                        let wv = _mm256_loadu_si256(pb.add(64 * q) as *const __m256i);
+                        for t in 0..T {
+                            let av = _mm256_set1_epi32(rd_i32(a[t].q.add(ao + 4 + 4 * q)));
+                            s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(wv, av));
+                        }
+                    }
+                    let scv = _mm256_loadu_si256(pb.add(4096 + 64 * g) as *const __m256i);
+                    let mv = _mm256_loadu_si256(pb.add(4608 + 64 * g) as *const __m256i);
+                    for t in 0..T {
+                        let s32 = _mm256_madd_epi16(s[t], ones);
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(s32, scv));
+                        let bv = _mm256_set1_epi32(rd_i32(a[t].q.add(ao + 260 + 4 * g)));
+                        imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mv, bv));
+                    }
+                }
+                for t in 0..T {
+                    let yd = _mm256_set1_ps(*a[t].d.add(sb));
+                    acc[t] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, yd), acc[t]);
+                    accm[t] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(imin[t]),
+                        _mm256_mul_ps(dmin, yd),
+                        accm[t],
+                    );
+                }
+            }
+        }
+        let n = (nvalid - 8 * h).min(8);
+        for t in 0..tile.nt.min(T) {
+            let mut o = [0f32; 8];
+            _mm256_storeu_ps(o.as_mut_ptr(), _mm256_sub_ps(acc[t], accm[t]));
+            let dst = tile.out.add(t * tile.ostride + 8 * h);
+            std::ptr::copy_nonoverlapping(o.as_ptr(), dst, n);
+        }
+    }
+}
