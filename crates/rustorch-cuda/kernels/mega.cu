@@ -66,7 +66,8 @@ __device__ __forceinline__ u32 mega_ld_acquire(const u32 *p) {
 // each counter is back at zero when the barrier opens, so the words stay valid from one
 // launch to the next.
 #define MEGA_GROUPS 16
-__device__ __forceinline__ void mega_grid_sync(u32 *bar, u32 nblk, u32 me, u32 k, int flat) {
+__device__ __forceinline__ void mega_grid_sync(u32 *bar, u32 nblk, u32 me, u32 k, int flat,
+                                               int nosleep) {
     __syncthreads();
     if (threadIdx.x == 0) {
         if (flat) {
@@ -77,7 +78,9 @@ __device__ __forceinline__ void mega_grid_sync(u32 *bar, u32 nblk, u32 me, u32 k
                 __threadfence();
                 atomicExch(bar + 32, k);
             }
-            while (mega_ld_acquire(bar + 32) < k) __nanosleep(64);
+            while (mega_ld_acquire(bar + 32) < k) {
+                if (!nosleep) __nanosleep(64);
+            }
         } else {
             const u32 g0 = mega_ld_acquire(bar);
             __threadfence();
@@ -103,14 +106,17 @@ __device__ __forceinline__ void mega_grid_sync(u32 *bar, u32 nblk, u32 me, u32 k
     __syncthreads();
 }
 
+// mode: bit 0 the flat barrier (else the tree); bit 3 its waits without sleeps; bits 1 and
+// 2, for timing only (the results are wrong): no barriers, no kernels.
 __device__ __forceinline__ void mega_run(const MegaInstr *prog, int n, const u8 *args, u32 *bar,
-                                         int flat) {
+                                         int mode) {
+    const int flat = mode & 1;
     const u32 nblk = gridDim.x, me = mega_real_block();
     MegaInstr in = prog[0];
     for (int i = 0; i < n; i++) {
         const u32 gxy = in.gx * in.gy;
         const u32 nvb = gxy * in.gz;
-        for (u32 vb = me; vb < nvb; vb += nblk) {
+        for (u32 vb = me; vb < ((mode & 4) ? 0u : nvb); vb += nblk) {
             if (threadIdx.x == 0) {
                 mega_bid.x = vb % in.gx;
                 mega_bid.y = (vb / in.gx) % in.gy;
@@ -122,7 +128,7 @@ __device__ __forceinline__ void mega_run(const MegaInstr *prog, int n, const u8 
         }
         if (i + 1 < n) {
             const MegaInstr next = prog[i + 1];  // loaded while the barrier waits
-            mega_grid_sync(bar, nblk, me, (u32)(i + 1), flat);
+            if (!(mode & 2)) mega_grid_sync(bar, nblk, me, (u32)(i + 1), flat, mode & 8);
             in = next;
         }
     }
@@ -131,10 +137,10 @@ __device__ __forceinline__ void mega_run(const MegaInstr *prog, int n, const u8 
 // Two register budgets: 128 per thread (4 resident blocks per multiprocessor) or 64 (8,
 // some kernels spilling).
 extern "C" __global__ void __launch_bounds__(128, 4)
-    mega_step(const MegaInstr *prog, int n, const u8 *args, u32 *bar, int flat) {
-    mega_run(prog, n, args, bar, flat);
+    mega_step(const MegaInstr *prog, int n, const u8 *args, u32 *bar, int mode) {
+    mega_run(prog, n, args, bar, mode);
 }
 extern "C" __global__ void __launch_bounds__(128, 8)
-    mega_step8(const MegaInstr *prog, int n, const u8 *args, u32 *bar, int flat) {
-    mega_run(prog, n, args, bar, flat);
+    mega_step8(const MegaInstr *prog, int n, const u8 *args, u32 *bar, int mode) {
+    mega_run(prog, n, args, bar, mode);
 }

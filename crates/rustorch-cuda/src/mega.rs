@@ -19,11 +19,13 @@
 //! The second module is compiled on the first step that uses it (NVRTC, tens of seconds
 //! on first use; cached on disk like the first module). The path is **off** unless
 //! `RUSTORCH_CUDA_MEGA=1`: on an H100 it is still slower than graph replays (TinyLlama
-//! shape Q4_0: 428 against 817 t/s; see docs/performance.md, "Session 8"): the resident
-//! grid keeps fewer loads in flight than the separate kernels (128 registers, 4 blocks of
-//! 4 warps per multiprocessor) and each of a step's ~220 barriers costs microseconds.
-//! `RUSTORCH_CUDA_MEGA_BLOCKS=N` sets the resident blocks per multiprocessor (default: up
-//! to 4, as many as fit); `RUSTORCH_CUDA_MEGA_BAR=tree` the barrier.
+//! shape Q4_0: 416-428 against 808-827 t/s; docs/performance.md, "Session 8", has the
+//! breakdown): a step's ~225 barriers alone cost about 0.6 ms, and the kernels' work in the
+//! resident grid (128 registers, 4 blocks of 4 warps per multiprocessor) takes longer than
+//! the whole graph step, the products keeping fewer loads in flight than as separate
+//! kernels. `RUSTORCH_CUDA_MEGA_BLOCKS=N` sets the resident blocks per multiprocessor
+//! (default: up to 4, as many as fit); `RUSTORCH_CUDA_MEGA_BAR=tree` the barrier;
+//! `RUSTORCH_CUDA_MEGA_PROBE` the timing-only modes of that breakdown.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -156,6 +158,10 @@ pub struct MegaModule {
     /// The barrier: one counter zeroed before each launch (default), or the self-resetting
     /// tree (`RUSTORCH_CUDA_MEGA_BAR=tree`).
     pub flat: bool,
+    /// For timing only (wrong results): `RUSTORCH_CUDA_MEGA_PROBE=nobar` drops the
+    /// barriers, `nowork` the kernels (`mega_run`'s mode bits 1 and 2); `nosleep` (results
+    /// right) polls the barrier without sleeping.
+    probe: i32,
     pub info: ModuleInfo,
 }
 
@@ -188,6 +194,12 @@ impl MegaModule {
             ops,
             blocks: per_sm * dev.info.multiprocessors as u32,
             flat: std::env::var("RUSTORCH_CUDA_MEGA_BAR").map_or(true, |v| v != "tree"),
+            probe: match std::env::var("RUSTORCH_CUDA_MEGA_PROBE").as_deref() {
+                Ok("nobar") => 2,
+                Ok("nowork") => 4,
+                Ok("nosleep") => 8,
+                _ => 0,
+            },
             info,
         })
     }
@@ -276,7 +288,7 @@ impl Programs {
             self.bar.resize(dev, BAR_WORDS)?;
             self.bar.zero(dev)?;
         }
-        let flat = i32::from(m.flat);
+        let mode = i32::from(m.flat) | m.probe;
         dev.context().bind_to_thread()?;
         if m.flat {
             // SAFETY: the first 64 words of the live barrier buffer, in stream order.
@@ -298,7 +310,7 @@ impl Programs {
         b.arg(&n);
         b.arg(&ap);
         b.arg(&bp);
-        b.arg(&flat);
+        b.arg(&mode);
         let cfg = LaunchConfig {
             grid_dim: (m.blocks, 1, 1),
             block_dim: (MEGA_THREADS, 1, 1),
