@@ -592,8 +592,8 @@ fn matmul_q4k_ggml(
     }
     #[cfg(target_arch = "x86_64")]
     if matches!(isa, Isa::Avx2 | Isa::Avx512) {
-        // Rows in groups of 8 over the pool; inside a task, blocks of 64 rows (L2-sized)
-        // against all tokens: tiles of 4 gemm rows, then the gemv rows one by one.
+        // only gemv rows are left (fewer than 4 tokens): rows in groups of 8 over the pool;
+        // inside a task, blocks of 64 rows against each token
         let rb = w.row_bytes();
         let nb = n_cols / 256;
         let (n_tasks, per) = split(pool, n_rows.div_ceil(8), 2);
@@ -606,28 +606,10 @@ fn matmul_q4k_ggml(
             while r0 < end {
                 let nr = (end - r0).min(64);
                 let wp = w.data[r0 * rb..(r0 + nr) * rb].as_ptr();
-                for t0 in (0..n_gemm).step_by(16) {
-                    let nt = (n_gemm - t0).min(16);
-                    let a: [*const u8; 16] =
-                        std::array::from_fn(|i| acts[(t0 + i.min(nt - 1)) * arb..].as_ptr());
-                    // SAFETY: AVX2+FMA+F16C checked by `isa`; rows r0..r0+nr and tokens
-                    // t0..t0+nt are in bounds, each (t, r) is written by exactly one task.
-                    unsafe {
-                        q4k_ggml::x86::tile::<true, 16>(
-                            wp,
-                            rb,
-                            nr,
-                            nb,
-                            &a,
-                            nt,
-                            dst.0.add(t0 * n_rows + r0),
-                            n_rows,
-                        )
-                    };
-                }
                 for t in n_gemm..n_tok {
                     let a = [acts[t * arb..].as_ptr()];
-                    // SAFETY: as above.
+                    // SAFETY: AVX2+FMA+F16C checked by `isa`; rows r0..r0+nr and token t
+                    // are in bounds, each (t, r) is written by exactly one task.
                     unsafe {
                         q4k_ggml::x86::tile::<false, 1>(
                             wp,
