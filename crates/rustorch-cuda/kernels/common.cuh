@@ -43,6 +43,22 @@ __device__ __forceinline__ int ld_i32_a2(const u8 *p) {
 }
 __device__ __forceinline__ int ld_i32_a4(const u8 *p) { return *(const int *)p; }
 
+// N consecutive 32-bit little-endian words from an address aligned to 2 bytes: N + 1
+// aligned 32-bit loads (N when the address is aligned to 4) joined by funnel shifts,
+// instead of 2N 16-bit loads.
+template <int N>
+__device__ __forceinline__ void ld_ints_a2(const u8 *p, int (&o)[N]) {
+    const size_t a = (size_t)p;
+    const u32 *w = (const u32 *)(a & ~(size_t)3);
+    const u32 sh = (u32)(a & 2) * 8;
+    u32 v[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; i++) v[i] = w[i];
+    v[N] = sh ? w[N] : 0u;  // (not read past the N words when aligned)
+#pragma unroll
+    for (int i = 0; i < N; i++) o[i] = (int)__funnelshift_r(v[i], v[i + 1], sh);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

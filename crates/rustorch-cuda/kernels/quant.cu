@@ -52,11 +52,12 @@ struct FQ4_0 {
     enum { QK = 32, BYTES = 18 };
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
         float d = h2f(ld_u16(b));
+        int q[4];
+        ld_ints_a2<4>(b + 2, q);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int w = ld_i32_a2(b + 2 + 4 * k);
-            o.v[k] = w & 0x0F0F0F0F;
-            o.v[k + 4] = (w >> 4) & 0x0F0F0F0F;
+            o.v[k] = q[k] & 0x0F0F0F0F;
+            o.v[k + 4] = (q[k] >> 4) & 0x0F0F0F0F;
         }
         set_scales(o, d, -8, 0.0f);
     }
@@ -89,10 +90,12 @@ struct FQ5_0 {
     enum { QK = 32, BYTES = 22 };
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
         float d = h2f(ld_u16(b));
-        u32 qh = (u32)ld_i32_a2(b + 2);
+        int q[5];  // qh, then the 16 bytes of low nibbles
+        ld_ints_a2<5>(b + 2, q);
+        const u32 qh = (u32)q[0];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int w = ld_i32_a2(b + 6 + 4 * k);
+            int w = q[k + 1];
             o.v[k] = (w & 0x0F0F0F0F) | spread_bits4(qh, 4 * k);
             o.v[k + 4] = ((w >> 4) & 0x0F0F0F0F) | spread_bits4(qh, 16 + 4 * k);
         }
@@ -121,7 +124,7 @@ struct FQ8_0 {
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
         float d = h2f(ld_u16(b));
 #pragma unroll
-        for (int k = 0; k < 8; k++) o.v[k] = ld_i32_a2(b + 2 + 4 * k);
+        ld_ints_a2<8>(b + 2, o.v);
         set_scales(o, d, 0, 0.0f);
     }
 };
@@ -130,9 +133,11 @@ struct FIQ4_NL {
     enum { QK = 32, BYTES = 18 };
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
         float d = h2f(ld_u16(b));
+        int q[4];
+        ld_ints_a2<4>(b + 2, q);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            u32 w = (u32)ld_i32_a2(b + 2 + 4 * k);
+            u32 w = (u32)q[k];
             o.v[k] = iq4_lookup(w & 0x0F0F0F0Fu);
             o.v[k + 4] = iq4_lookup((w >> 4) & 0x0F0F0F0Fu);
         }
@@ -186,10 +191,13 @@ struct FQ3_K {
         float d = h2f(ld_u16(b + 108));
         int half = g >> 2, shift = 2 * (g & 3);
         const u8 *q = b + 32 + 32 * half;
+        int ql[8], qm[8];
+        ld_ints_a2<8>(q, ql);
+        ld_ints_a2<8>(b, qm);
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            int lo = (ld_i32_a2(q + 4 * k) >> shift) & 0x03030303;
-            int hi = (((u32)ld_i32_a2(b + 4 * k)) >> g) & 0x01010101u;
+            int lo = (ql[k] >> shift) & 0x03030303;
+            int hi = (((u32)qm[k]) >> g) & 0x01010101u;
             o.v[k] = lo | (hi << 2);
         }
         o.d0 = __fmul_rn(d, (float)(scale_q3k(b + 96, 2 * g) - 32));
@@ -252,10 +260,13 @@ struct FQ6_K {
         const u8 *ql = b + 64 * h + 32 * (j & 1);
         const u8 *qh = b + 128 + 32 * h;
         int sl = 4 * (j >> 1), shh = 2 * j;
+        int wl[8], wh[8];
+        ld_ints_a2<8>(ql, wl);
+        ld_ints_a2<8>(qh, wh);
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            int lo = (ld_i32_a2(ql + 4 * k) >> sl) & 0x0F0F0F0F;
-            int hi = (((u32)ld_i32_a2(qh + 4 * k)) >> shh) & 0x03030303u;
+            int lo = (wl[k] >> sl) & 0x0F0F0F0F;
+            int hi = (((u32)wh[k]) >> shh) & 0x03030303u;
             o.v[k] = lo | (hi << 4);
         }
         const i8 *sc = (const i8 *)(b + 192 + 8 * h + 2 * j);
