@@ -218,17 +218,38 @@ __device__ __forceinline__ void scale_min_k4(const u8 *q, int j, int &sc, int &m
     }
 }
 
+// Byte k (0..11) of the 12 scale bytes held in three words.
+__device__ __forceinline__ u32 byte_of3(u32 s0, u32 s1, u32 s2, int k) {
+    const u32 w = k < 4 ? s0 : (k < 8 ? s1 : s2);
+    return (w >> (8 * (k & 3))) & 0xFF;
+}
+
+// Q4_K blocks are 144 bytes, so in rows of whole blocks at a 16-byte-aligned base (every
+// weight upload) each block, its header and its 32-byte quant runs are 16-byte aligned:
+// one 16-byte load for d, dmin and the scales, two for a group's quants.
 struct FQ4_K {
     enum { QK = 256, BYTES = 144 };
     static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
-        float d = h2f(ld_u16(b));
-        float dmin = h2f(ld_u16(b + 2));
-        const u8 *q = b + 16 + 32 * (g >> 1);
+        const uint4 h = *(const uint4 *)b;
+        float d = h2f((u16)(h.x & 0xFFFF));
+        float dmin = h2f((u16)(h.x >> 16));
+        const uint4 *q = (const uint4 *)(b + 16 + 32 * (g >> 1));
+        const uint4 q0 = q[0], q1 = q[1];
+        const u32 qw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
         int shift = 4 * (g & 1);
 #pragma unroll
-        for (int k = 0; k < 8; k++) o.v[k] = (ld_i32_a4(q + 4 * k) >> shift) & 0x0F0F0F0F;
+        for (int k = 0; k < 8; k++) o.v[k] = ((int)qw[k] >> shift) & 0x0F0F0F0F;
+        // scale_min_k4 on the header's scale bytes
         int sc, m;
-        scale_min_k4(b + 4, g, sc, m);
+        if (g < 4) {
+            sc = (int)byte_of3(h.y, h.z, h.w, g) & 63;
+            m = (int)byte_of3(h.y, h.z, h.w, g + 4) & 63;
+        } else {
+            sc = (int)((byte_of3(h.y, h.z, h.w, g + 4) & 15) |
+                       ((byte_of3(h.y, h.z, h.w, g - 4) >> 6) << 4));
+            m = (int)((byte_of3(h.y, h.z, h.w, g + 4) >> 4) |
+                      ((byte_of3(h.y, h.z, h.w, g) >> 6) << 4));
+        }
         set_scales(o, __fmul_rn(d, (float)sc), 0, -__fmul_rn(dmin, (float)m));
     }
 };

@@ -236,7 +236,8 @@ pub fn auto_splits(multiprocessors: usize, heads_x_rows: usize, max_cells: usize
 }
 
 impl CudaDevice {
-    /// Uploads a weight matrix in its GGUF format (no conversion).
+    /// Uploads a weight matrix in its GGUF format (no conversion), in its own allocation:
+    /// the kernels rely on its base being 16-byte aligned (Q4_K's 16-byte loads).
     pub fn upload_matrix(
         &self,
         ty: GgmlType,
