@@ -185,6 +185,7 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                        float *part, float *out, int n_head, int n_head_kv, int hd,           \
                        int kv_stride, float scale, float softcap, u32 window, int n_split,   \
                        i8 *aq, float2 *ads, int quant, int cpu) {                            \
+        PDL_ENTRY();                                                                         \
         attn_split<E>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride, scale,     \
                       softcap, window, n_split, aq, ads, quant, cpu);                        \
     }
@@ -198,6 +199,7 @@ ATTN_KERNEL(8)
 extern "C" __global__ void attn_combine(const float *__restrict__ part, float *__restrict__ out,
                                         int n_head, int hd, int n_split, i8 *__restrict__ aq,
                                         float2 *__restrict__ ads, int quant, int cpu) {
+    PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y;
     const float *pp = part + ((size_t)t * n_head + h) * n_split * (hd + 2);
     float M = NEG_INF;
@@ -342,6 +344,7 @@ __device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 
         attn_cpu_##E(const float *q, const u64 *rows, const u16 *K, const u16 *V, float *out, \
                      int n_head, int n_head_kv, int hd, int kv_stride, float scale,          \
                      float softcap, u32 window, int native) {                                \
+        PDL_ENTRY();                                                                         \
         attn_cpu<E>(q, rows, K, V, out, n_head, n_head_kv, hd, kv_stride, scale, softcap,    \
                     window, native);                                                         \
     }

@@ -104,3 +104,36 @@ __device__ __forceinline__ void quantize_lane(float v, i8 *aq, size_t i, float2 
         *ds = r;
     }
 }
+
+// Programmatic dependent launch (sm_90+; the host launches every kernel with it unless
+// RUSTORCH_CUDA_PDL=0). A kernel so launched may start while the kernel before it in the
+// stream is still running, so every kernel begins with PDL_ENTRY: wait until the previous
+// grid has completed and its writes are visible (`griddepcontrol.wait`), then let the next
+// kernel's blocks be scheduled (`griddepcontrol.launch_dependents`). Nothing is read or
+// written before the wait except what no kernel writes (weights, through PDL_PREFETCH), so
+// each kernel still sees everything every earlier kernel wrote. Where the kernel was not
+// launched that way, the wait returns at once. src/mega.rs defines RT_NO_PDL.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(RT_NO_PDL)
+#define PDL_ENTRY()                                                    \
+    do {                                                               \
+        asm volatile("griddepcontrol.wait;" ::: "memory");             \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+    } while (0)
+// Asks L2 to fetch the `bytes` bytes at p (read-only weights), one line per lane and step.
+__device__ __forceinline__ void pdl_prefetch(const void *p, size_t bytes, int lane, int lanes) {
+    const char *c = (const char *)p;
+    for (size_t o = (size_t)lane * 128; o < bytes; o += (size_t)lanes * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+}
+#else
+#define PDL_ENTRY() \
+    do {            \
+    } while (0)
+__device__ __forceinline__ void pdl_prefetch(const void *, size_t, int, int) {}
+#endif
+// PDL_ENTRY, after `pre` (which may only read what no kernel writes).
+#define PDL_ENTRY_AFTER(pre) \
+    do {                     \
+        pre;                 \
+        PDL_ENTRY();         \
+    } while (0)

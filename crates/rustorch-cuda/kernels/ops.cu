@@ -10,6 +10,7 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
                                     const float *__restrict__ w, float *out, int n, float eps,
                                     i8 *__restrict__ aq, float2 *__restrict__ ads, int quant,
                                     int cpu) {
+    PDL_ENTRY();
     __shared__ double sm[32];
     const size_t base = (size_t)blockIdx.x * n;
     double s = 0.0;
@@ -86,6 +87,7 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
 extern "C" __global__ void rope_angles(const u32 *__restrict__ pos, const float *__restrict__ ff,
                                        float *__restrict__ cs, float *__restrict__ sn, int n_rows,
                                        int half, float theta_scale, float freq_scale) {
+    PDL_ENTRY();
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * half) return;
     const int r = idx / half, i = idx % half;
@@ -101,6 +103,7 @@ extern "C" __global__ void rope_angles(const u32 *__restrict__ pos, const float 
 // values) by the row's angles. neox: pairs (i, i + n_rot/2); otherwise (2i, 2i + 1).
 extern "C" __global__ void rope(float *x, const float *__restrict__ cs, const float *__restrict__ sn,
                                 int n_rows, int width, int head_dim, int n_rot, int neox) {
+    PDL_ENTRY();
     const int half = n_rot / 2;
     const int heads = width / head_dim;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -119,34 +122,40 @@ extern "C" __global__ void rope(float *x, const float *__restrict__ cs, const fl
 
 extern "C" __global__ void copy_f32(float *__restrict__ x, const float *__restrict__ y,
                                     long long n) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = y[i];
 }
 
 extern "C" __global__ void add_f32(float *x, const float *__restrict__ y, long long n) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] + y[i];
 }
 
 // x[i] += b[i % len]
 extern "C" __global__ void add_bias(float *x, const float *__restrict__ b, long long n, int len) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] + b[i % len];
 }
 
 extern "C" __global__ void scale_f32(float *x, float s, long long n) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fmul_rn(x[i], s);
 }
 
 // x = tanh(x / cap) * cap
 extern "C" __global__ void softcap_f32(float *x, float cap, long long n) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fmul_rn(tanhf(__fmul_rn(x[i], 1.0f / cap)), cap);
 }
 
 // gate = silu(gate) * up
 extern "C" __global__ void swiglu(float *gate, const float *__restrict__ up, long long n) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const float g = gate[i];
@@ -156,6 +165,7 @@ extern "C" __global__ void swiglu(float *gate, const float *__restrict__ up, lon
 
 // gate = gelu(gate) * up, ggml's tanh approximation
 extern "C" __global__ void geglu(float *gate, const float *__restrict__ up, long long n) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const float x = gate[i];
@@ -169,6 +179,7 @@ extern "C" __global__ void geglu(float *gate, const float *__restrict__ up, long
 // Keeps rows `rows[k]` of x (rows of width values) as rows k of out.
 extern "C" __global__ void gather_rows(const float *__restrict__ x, const u32 *__restrict__ rows,
                                        float *__restrict__ out, int width, int n_out) {
+    PDL_ENTRY();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n_out * width) return;
     const int k = (int)(idx / width), i = (int)(idx % width);
@@ -179,6 +190,7 @@ extern "C" __global__ void gather_rows(const float *__restrict__ x, const u32 *_
 extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__restrict__ v,
                                     u16 *__restrict__ K, u16 *__restrict__ V,
                                     const u32 *__restrict__ slots, int n_rows, int kv_dim) {
+    PDL_ENTRY();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n_rows * kv_dim) return;
     const int r = (int)(idx / kv_dim), i = (int)(idx % kv_dim);
@@ -191,6 +203,7 @@ extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__
 // pairs[2j+1] of every layer becomes a copy of slot pairs[2j] (keys and values).
 extern "C" __global__ void kv_copy(u16 *K, u16 *V, const u32 *__restrict__ pairs, int n_pairs,
                                    int n_layer, long long layer_stride, int kv_dim) {
+    PDL_ENTRY();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n_layer * n_pairs * kv_dim) return;
     const int i = (int)(idx % kv_dim);
@@ -210,6 +223,7 @@ extern "C" __global__ void kv_shift(u16 *K, const u32 *__restrict__ slots, int n
                                     int n_layer, long long layer_stride, int kv_dim,
                                     int head_dim, int n_rot, int neox,
                                     const float *__restrict__ cs, const float *__restrict__ sn) {
+    PDL_ENTRY();
     const int half = n_rot / 2;
     const int heads = kv_dim / head_dim;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -239,6 +253,7 @@ extern "C" __global__ void rope_kv_write(float *q, float *k, const float *__rest
                                          u16 *__restrict__ V, const u32 *__restrict__ slots,
                                          int n_rows, int nh, int nkv, int head_dim, int n_rot,
                                          int neox) {
+    PDL_ENTRY();
     const int half = n_rot / 2;
     const int kv_dim = nkv * head_dim;
     const long long nq = (long long)n_rows * nh * half;

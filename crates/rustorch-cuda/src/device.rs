@@ -29,6 +29,11 @@ pub(crate) const NVRTC_OPTS: [&str; 2] = ["--std=c++17", "--device-as-default-ex
 /// The kernels' source as compiled.
 pub fn kernel_source() -> String {
     let mut s = String::new();
+    match crate::kernels::arith().pdl {
+        crate::kernels::Pdl::Off => s.push_str("#define RT_NO_PDL\n"),
+        crate::kernels::Pdl::On => {}
+        crate::kernels::Pdl::Prefetch => s.push_str("#define RT_PDL_PREFETCH\n"),
+    }
     for (name, src) in KERNEL_SOURCES {
         s.push_str(&format!("// ---- {name}\n"));
         s.push_str(src);
@@ -74,6 +79,9 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
+    /// Kernels launched with programmatic dependent launch (sm_90+, a driver that
+    /// captures it into graphs, not switched off by `RUSTORCH_CUDA_PDL=0`).
+    pdl: bool,
     rec: Arc<Mutex<Recorder>>,
     /// The persistent decode kernel's module, loaded on first use (see [`crate::mega`]).
     mega: Arc<OnceLock<std::result::Result<Arc<MegaModule>, String>>>,
@@ -244,6 +252,9 @@ impl CudaDevice {
             ctx,
             _module: module,
             funcs,
+            pdl: cc.0 >= 9
+                && driver_version >= 12030
+                && crate::kernels::arith().pdl != crate::kernels::Pdl::Off,
             rec: Arc::new(Mutex::new(Recorder {
                 mode: LaunchMode::Run,
                 hash: 0,
@@ -378,6 +389,9 @@ impl CudaDevice {
             }
         }
         let f = self.func(name)?;
+        if self.pdl {
+            return self.launch_pdl(f, grid, block, args);
+        }
         let mut b = self.stream.launch_builder(f);
         for a in args.iter() {
             a.push(&mut b);
@@ -390,6 +404,59 @@ impl CudaDevice {
         // SAFETY: each kernel's argument list is built by the wrapper in `kernels.rs` that
         // matches its C signature; pointers are to live device buffers sized by the caller.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Launches `f` so that it may start before the kernel ahead of it in the stream has
+    /// finished (programmatic dependent launch; every kernel begins with `PDL_ENTRY`, which
+    /// waits for that kernel before touching anything it wrote).
+    fn launch_pdl(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[&dyn KernelArg],
+    ) -> Result<()> {
+        const MAX_ARGS: usize = 32;
+        if args.len() > MAX_ARGS {
+            return Err(CudaError::Unsupported(format!(
+                "a kernel with {} arguments (at most {MAX_ARGS})",
+                args.len()
+            )));
+        }
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
+        for (p, a) in params.iter_mut().zip(args) {
+            // the driver copies each argument's bytes from this address during the call
+            *p = a.bytes().as_ptr() as *mut std::ffi::c_void;
+        }
+        // SAFETY: a plain C union; all-zero bytes are a valid value of every member.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: as in `launch`: the argument list matches the kernel's C signature and
+        // every pointer in `params` points at a live argument value for the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
         Ok(())
     }
 
@@ -734,5 +801,34 @@ impl<T: DeviceRepr> GpuVec<T> {
             dev.stream.memset_zeros(b)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KERNEL_SOURCES;
+
+    /// Kernels are launched with programmatic dependent launch, so each must wait for the
+    /// kernel before it before anything else: its body's first statement is `PDL_ENTRY`.
+    #[test]
+    fn every_kernel_begins_with_pdl_entry() {
+        let mut n = 0;
+        for (file, src) in KERNEL_SOURCES {
+            let mut rest = src;
+            while let Some(k) = rest.find("extern \"C\" __global__") {
+                let after = &rest[k..];
+                let open = after.find('{').expect("a kernel body");
+                let body =
+                    after[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                let name: String = after[..open].split('(').next().unwrap_or("").into();
+                assert!(
+                    body.starts_with("PDL_ENTRY"),
+                    "{file}: {name} does not begin with PDL_ENTRY"
+                );
+                n += 1;
+                rest = &after[open..];
+            }
+        }
+        assert!(n >= 25, "found only {n} kernels");
     }
 }

@@ -50,6 +50,17 @@ pub struct Arith {
     pub attn_cpu: bool,
     pub decode_kernels: bool,
     pub mega: bool,
+    /// Programmatic dependent launch (`RUSTORCH_CUDA_PDL`: `0` off, `1` on, default on with
+    /// the one-token products prefetching their weights into L2 before they wait).
+    pub pdl: Pdl,
+}
+
+/// See [`Arith::pdl`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pdl {
+    Off,
+    On,
+    Prefetch,
 }
 
 pub fn arith() -> Arith {
@@ -61,6 +72,11 @@ pub fn arith() -> Arith {
             attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu",
             decode_kernels: var("RUSTORCH_CUDA_DECODE") != "tiled",
             mega: var("RUSTORCH_CUDA_MEGA") == "1",
+            pdl: match var("RUSTORCH_CUDA_PDL").as_str() {
+                "0" => Pdl::Off,
+                "1" => Pdl::On,
+                _ => Pdl::Prefetch,
+            },
         }
     })
 }

@@ -97,7 +97,8 @@ pub fn mega_ops() -> Vec<String> {
 /// `kernels/mega.cu` and the op table.
 pub fn mega_source() -> String {
     let mut s = String::from(
-        "#define __restrict__\n\
+        "#define RT_NO_PDL\n\
+         #define __restrict__\n\
          __device__ __forceinline__ unsigned int mega_real_block() { return blockIdx.x; }\n\
          __shared__ uint3 mega_bid;\n\
          #define blockIdx mega_bid\n",
