@@ -433,6 +433,18 @@ struct MmvJob {
     int pad;
 };
 
+// Matrix m's fields by selects, not by indexing: indexing the parameter with a run-time m
+// makes the compiler copy the whole struct to local memory.
+__device__ __forceinline__ int job_rows(const MmvJob &j, int m) {
+    return m == 0 ? j.rows[0] : m == 1 ? j.rows[1] : j.rows[2];
+}
+__device__ __forceinline__ const u8 *job_w(const MmvJob &j, int m) {
+    return m == 0 ? j.w[0] : m == 1 ? j.w[1] : j.w[2];
+}
+__device__ __forceinline__ float *job_out(const MmvJob &j, int m) {
+    return m == 0 ? j.out[0] : m == 1 ? j.out[1] : j.out[2];
+}
+
 template <class F, int NT>
 __device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
                                      const float2 *__restrict__ ads, int n_cols, int n_tok,
@@ -441,17 +453,17 @@ __device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
     int b = blockIdx.x, m = 0;
     if (!j.glu) {
         for (; m < j.n - 1; m++) {
-            const int nb = (j.rows[m] + rpb - 1) / rpb;
+            const int nb = (job_rows(j, m) + rpb - 1) / rpb;
             if (b < nb) break;
             b -= nb;
         }
     }
-    const int n_rows = j.rows[m];
+    const int n_rows = job_rows(j, m);
     const int row = b * rpb + threadIdx.x / tpr;
     float acc[NT];
-    mmvq_acc<F, NT>(j.w[m], aq, ads, row, n_rows, n_cols, n_tok, tpr, acc);
+    mmvq_acc<F, NT>(job_w(j, m), aq, ads, row, n_rows, n_cols, n_tok, tpr, acc);
     if (!j.glu) {
-        row_reduce_store<NT>(acc, j.out[m], row, n_rows, n_tok, tpr);
+        row_reduce_store<NT>(acc, job_out(j, m), row, n_rows, n_tok, tpr);
         return;
     }
     row_reduce<NT>(acc, tpr);
@@ -534,14 +546,14 @@ __device__ __forceinline__ void mmvq1_prefetch(const MmvJob &j, int n_cols) {
     int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
     if (!j.glu) {
         for (; m < j.n - 1; m++) {
-            if (wi < j.rows[m]) break;
-            wi -= j.rows[m];
+            if (wi < job_rows(j, m)) break;
+            wi -= job_rows(j, m);
         }
     }
-    if (wi >= j.rows[m]) return;
+    if (wi >= job_rows(j, m)) return;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
     const int lane = threadIdx.x & 31;
-    pdl_prefetch(j.w[m] + (size_t)wi * row_bytes, row_bytes, lane, 32);
+    pdl_prefetch(job_w(j, m) + (size_t)wi * row_bytes, row_bytes, lane, 32);
     if (j.glu) pdl_prefetch(j.w[1] + (size_t)wi * row_bytes, row_bytes, lane, 32);
 #endif
 }
@@ -552,17 +564,17 @@ __device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq
     int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
     if (!j.glu) {
         for (; m < j.n - 1; m++) {
-            if (wi < j.rows[m]) break;
-            wi -= j.rows[m];
+            if (wi < job_rows(j, m)) break;
+            wi -= job_rows(j, m);
         }
     }
-    const int n_rows = j.rows[m];
+    const int n_rows = job_rows(j, m);
     if (wi >= n_rows) return;  // the whole warp: no block barrier follows
     const int ng = n_cols >> 5;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
     if (!j.glu) {
-        const float x = mmvq_row1<F>(j.w[m] + (size_t)wi * row_bytes, aq, ads, ng);
-        if ((threadIdx.x & 31) == 0) j.out[m][wi] = x;
+        const float x = mmvq_row1<F>(job_w(j, m) + (size_t)wi * row_bytes, aq, ads, ng);
+        if ((threadIdx.x & 31) == 0) job_out(j, m)[wi] = x;
         return;
     }
     const float2 xu =
