@@ -445,6 +445,18 @@ __device__ __forceinline__ float *job_out(const MmvJob &j, int m) {
     return m == 0 ? j.out[0] : m == 1 ? j.out[1] : j.out[2];
 }
 
+// The gated activation of gate value x and up value u: glu 1 = SiLU, 2 = ggml's tanh GELU.
+__device__ __forceinline__ float glu_act(int glu, float x, float u) {
+    float g;
+    if (glu == 1) {
+        g = __fdiv_rn(x, 1.0f + expf(-x));
+    } else {
+        const float inner = __fmaf_rn(__fmul_rn(0.044715f, x), x, 1.0f);
+        g = __fmul_rn(1.0f + tanhf(__fmul_rn(__fmul_rn(0.7978846f, x), inner)), __fmul_rn(0.5f, x));
+    }
+    return __fmul_rn(g, u);
+}
+
 template <class F, int NT>
 __device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
                                      const float2 *__restrict__ ads, int n_cols, int n_tok,
@@ -473,18 +485,7 @@ __device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
     if ((threadIdx.x % tpr) == 0 && row < n_rows) {
 #pragma unroll
         for (int t = 0; t < NT; t++) {
-            if (t < n_tok) {
-                const float x = acc[t];
-                float g;
-                if (j.glu == 1) {
-                    g = __fdiv_rn(x, 1.0f + expf(-x));
-                } else {
-                    const float inner = __fmaf_rn(__fmul_rn(0.044715f, x), x, 1.0f);
-                    g = __fmul_rn(1.0f + tanhf(__fmul_rn(__fmul_rn(0.7978846f, x), inner)),
-                                  __fmul_rn(0.5f, x));
-                }
-                j.out[0][(size_t)t * n_rows + row] = __fmul_rn(g, up[t]);
-            }
+            if (t < n_tok) j.out[0][(size_t)t * n_rows + row] = glu_act(j.glu, acc[t], up[t]);
         }
     }
 }
@@ -579,18 +580,71 @@ __device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq
     }
     const float2 xu =
         mmvq_row1x2<F>(j.w[0] + (size_t)wi * row_bytes, j.w[1] + (size_t)wi * row_bytes, aq, ads, ng);
-    const float x = xu.x, up = xu.y;
-    if ((threadIdx.x & 31) == 0) {
-        float g;
-        if (j.glu == 1) {
-            g = __fdiv_rn(x, 1.0f + expf(-x));
-        } else {
-            const float inner = __fmaf_rn(__fmul_rn(0.044715f, x), x, 1.0f);
-            g = __fmul_rn(1.0f + tanhf(__fmul_rn(__fmul_rn(0.7978846f, x), inner)),
-                          __fmul_rn(0.5f, x));
-        }
-        j.out[0][wi] = __fmul_rn(g, up);
+    if ((threadIdx.x & 31) == 0) j.out[0][wi] = glu_act(j.glu, xu.x, xu.y);
+}
+
+// Gate and up rows r and r + 1 (rows rb bytes apart) in one walk: four rows' loads in flight,
+// each row summed in the order of mmvq_row1x2. (gate r, up r, gate r + 1, up r + 1)
+template <class F>
+__device__ __forceinline__ float4 mmvq_row2x2(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
+                                              size_t rb, const i8 *__restrict__ aq,
+                                              const float2 *__restrict__ ads, int ng) {
+    const int lane = threadIdx.x & 31;
+    const int gpb = F::QK / 32;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int gi = lane; gi < ng; gi += 32) {
+        const size_t o = (size_t)(gi / gpb) * F::BYTES;
+        Group g0, g1, g2, g3;
+        F::decode(w0 + o, gi % gpb, g0);
+        F::decode(w1 + o, gi % gpb, g1);
+        F::decode(w0 + rb + o, gi % gpb, g2);
+        F::decode(w1 + rb + o, gi % gpb, g3);
+        const int4 *a = (const int4 *)aq + 2 * gi;
+        const float2 ad = ads[gi];
+        a0 += group_dot<F>(g0, a, ad);
+        a1 += group_dot<F>(g1, a, ad);
+        a2 += group_dot<F>(g2, a, ad);
+        a3 += group_dot<F>(g3, a, ad);
     }
+    return make_float4(warp_sum(a0), warp_sum(a1), warp_sum(a2), warp_sum(a3));
+}
+
+// One token: `out = act(x·W0) ⊙ x·W1` as mmvq1 computes it with `glu`, and `out` quantized
+// into (oq, ods) as quantize_q8_1 does, for the next product, in the same launch: a block of
+// GLUQ_THREADS takes 32 consecutive rows (two per warp; rows a multiple of 32), so that one
+// warp then holds a whole block of 32 values to quantize.
+#define GLUQ_THREADS 512
+template <class F>
+__device__ __forceinline__ void mmvq1_gluq(const MmvJob &j, const i8 *__restrict__ aq,
+                                           const float2 *__restrict__ ads, int n_cols,
+                                           i8 *__restrict__ oq, float2 *__restrict__ ods,
+                                           int cpu) {
+    __shared__ float vals[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = blockIdx.x * 32, r = row0 + 2 * warp;
+    const size_t rb = (size_t)(n_cols / F::QK) * F::BYTES;
+    const float4 s = mmvq_row2x2<F>(j.w[0] + (size_t)r * rb, j.w[1] + (size_t)r * rb, rb, aq,
+                                    ads, n_cols >> 5);
+    if (lane == 0) {
+        const float o0 = glu_act(j.glu, s.x, s.y), o1 = glu_act(j.glu, s.z, s.w);
+        j.out[0][r] = o0;
+        j.out[0][r + 1] = o1;
+        vals[2 * warp] = o0;
+        vals[2 * warp + 1] = o1;
+    }
+    __syncthreads();
+    if (warp == 0) quantize_lane(vals[lane], oq, (size_t)row0 + lane, &ods[blockIdx.x], cpu);
+}
+
+// Its prefetch (see mmvq1_prefetch): each warp its two rows of both matrices.
+template <class F>
+__device__ __forceinline__ void mmvq1_gluq_prefetch(const MmvJob &j, int n_cols) {
+#ifdef RT_PDL_PREFETCH
+    const int r = blockIdx.x * 32 + 2 * (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const size_t rb = (size_t)(n_cols / F::QK) * F::BYTES;
+    pdl_prefetch(j.w[0] + (size_t)r * rb, 2 * rb, lane, 32);
+    pdl_prefetch(j.w[1] + (size_t)r * rb, 2 * rb, lane, 32);
+#endif
 }
 
 // Float weights (F32, F16, BF16) against f32 activations.
@@ -666,6 +720,14 @@ __device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float
         mmvq1<F>(j, aq, ads, n_cols);                                                        \
     }
 
+#define MMVQ1G_KERNEL(NAME, F)                                                                \
+    extern "C" __global__ void __launch_bounds__(GLUQ_THREADS)                               \
+        mmvq1g_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, i8 *oq,         \
+                      float2 *ods, int cpu) {                                                \
+        PDL_ENTRY_AFTER(mmvq1_gluq_prefetch<F>(j, n_cols));                                  \
+        mmvq1_gluq<F>(j, aq, ads, n_cols, oq, ods, cpu);                                     \
+    }
+
 #define MMVQ_KERNEL(NAME, F, NT)                                                              \
     extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
         mmvq_##NAME##_##NT(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int n_tok,  \
@@ -676,6 +738,7 @@ __device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float
 
 #define MMVQ_ALL(NAME, F)                                                                     \
     MMVQ1_KERNEL(NAME, F)                                                                    \
+    MMVQ1G_KERNEL(NAME, F)                                                                   \
     MMVQ_KERNEL(NAME, F, 1)                                                                  \
     MMVQ_KERNEL(NAME, F, 2)                                                                  \
     MMVQ_KERNEL(NAME, F, 4)                                                                  \

@@ -31,6 +31,8 @@ const TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
 /// Head sizes up to 32 * E for the attention kernels of E values per lane.
 pub(crate) const ATTN_E: [usize; 3] = [2, 4, 8];
 const MMV_THREADS: usize = 128;
+/// Threads of a fused gate/up product block (`GLUQ_THREADS` in kernels/quant.cu).
+const GLUQ_THREADS: u32 = 512;
 
 /// Arithmetic choices where the GPU follows our CPU backend (llama.cpp's CPU) more or less
 /// closely, read once from the environment:
@@ -124,6 +126,9 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("{kind}_{s}_{nt}"));
         }
         v.push(format!("{kind}1_{s}"));
+        if !is_float(ty) {
+            v.push(format!("mmvq1g_{s}"));
+        }
         v.push(format!("get_rows_{s}"));
     }
     for e in ATTN_E {
@@ -156,9 +161,26 @@ pub struct Scratch {
     ads: GpuVec<f32>,
     ids: GpuVec<u32>,
     part: GpuVec<f32>,
-    /// The buffer (address, length, row width) whose quantization `aq`/`ads` hold, when a
-    /// fused norm left it there for the next product ([`CudaDevice::add_rms_norm`]).
+    /// Where a fused gate/up product quantizes its output ([`CudaDevice::glu_fused`]): its
+    /// input's quantization is still being read from `aq`/`ads`.
+    gq: GpuVec<i8>,
+    gds: GpuVec<f32>,
+    /// The buffer (address, length, row width) whose quantization `aq`/`ads` hold (`gq`/`gds`
+    /// with `alt`), when a fused op left it there for the next product
+    /// ([`CudaDevice::add_rms_norm`]).
     pub(crate) acts_of: Option<(u64, usize, usize)>,
+    alt: bool,
+}
+
+impl Scratch {
+    /// Device addresses of the quantized activations the next product reads.
+    fn acts(&self) -> (u64, u64) {
+        if self.alt {
+            (self.gq.ptr(), self.gds.ptr())
+        } else {
+            (self.aq.ptr(), self.ads.ptr())
+        }
+    }
 }
 
 /// The matrices of one `mmvq_*` launch (the kernels' `MmvJob`).
@@ -308,6 +330,7 @@ impl CudaDevice {
             return Ok(());
         }
         s.acts_of = None;
+        s.alt = false;
         let ng = n_cols / 32;
         s.aq.resize(self, n_tok * n_cols)?;
         s.ads.resize(self, n_tok * ng * 2)?;
@@ -479,7 +502,7 @@ impl CudaDevice {
             } else {
                 ws.iter().map(|w| w.n_rows).sum()
             };
-            let (aq, ads) = (s.aq.ptr(), s.ads.ptr());
+            let (aq, ads) = s.acts();
             return self.launch(
                 &format!("mmvq1_{st}"),
                 (blocks(rows, MMV_THREADS / 32), 1, 1),
@@ -492,8 +515,9 @@ impl CudaDevice {
                 job.out[m] = outs[m].ptr() + (t0 * ws[m].n_rows * 4) as u64;
             }
             let cnt_i = cnt as i32;
-            let aq = s.aq.ptr() + (t0 * n_cols) as u64;
-            let ads = s.ads.ptr() + (t0 * (n_cols / 32) * 8) as u64;
+            let (aq0, ads0) = s.acts();
+            let aq = aq0 + (t0 * n_cols) as u64;
+            let ads = ads0 + (t0 * (n_cols / 32) * 8) as u64;
             self.launch(
                 &format!("mmvq_{st}_{nt}"),
                 (grid as u32, 1, 1),
@@ -524,6 +548,9 @@ impl CudaDevice {
             return None;
         }
         let n_tok = x.len() / n_cols;
+        if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
+            return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
+        }
         let mut spare = GpuVec::default();
         Some(self.quantize_acts(x, n_tok, n_cols, s).and_then(|_| {
             self.mmvq(
@@ -534,6 +561,46 @@ impl CudaDevice {
                 s,
             )
         }))
+    }
+
+    /// One token: [`CudaDevice::glu_fused`]'s product in one launch that also quantizes
+    /// `gate` for the next product (into `s`'s second buffers: the first still hold `x`'s).
+    fn glu_quantized(
+        &self,
+        gelu: bool,
+        wg: &CudaMatrix,
+        wu: &CudaMatrix,
+        x: &GpuVec<f32>,
+        gate: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let (n_rows, n_cols) = (wg.n_rows, wg.n_cols);
+        let st = stem(wg.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
+        self.quantize_acts(x, 1, n_cols, s)?;
+        gate.resize(self, n_rows)?;
+        s.gq.resize(self, n_rows)?;
+        s.gds.resize(self, n_rows / 32 * 2)?;
+        let mut job = MmvJob {
+            n: 2,
+            glu: 1 + i32::from(gelu),
+            ..MmvJob::default()
+        };
+        job.w[0] = wg.data.ptr();
+        job.w[1] = wu.data.ptr();
+        job.out[0] = gate.ptr();
+        job.rows = [n_rows as i32, n_rows as i32, 0];
+        let (aq, ads) = s.acts();
+        let (gq, gds) = (s.gq.ptr(), s.gds.ptr());
+        let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
+        self.launch(
+            &format!("mmvq1g_{st}"),
+            ((n_rows / 32) as u32, 1, 1),
+            GLUQ_THREADS,
+            &[&job, &aq, &ads, &nc, &gq, &gds, &cpu],
+        )?;
+        s.acts_of = Some((gate.ptr(), n_rows, n_rows));
+        s.alt = true;
+        Ok(())
     }
 
     /// `out[i] = dequantize(table[ids[i]])`, the host dequantizer's values exactly.
@@ -656,6 +723,7 @@ impl CudaDevice {
                 s.aq.resize(self, len)?;
                 s.ads.resize(self, len / 32 * 2)?;
                 s.acts_of = Some((out, len, n));
+                s.alt = false;
                 (s.aq.ptr(), s.ads.ptr(), 1i32)
             }
             None => (0u64, 0u64, 0i32),
@@ -956,6 +1024,7 @@ impl CudaDevice {
             s.aq.resize(self, n * nh * hd)?;
             s.ads.resize(self, n * nh * hd / 32 * 2)?;
             s.acts_of = Some((out.ptr(), n * nh * hd, nh * hd));
+            s.alt = false;
         } else {
             s.acts_of = None;
         }
