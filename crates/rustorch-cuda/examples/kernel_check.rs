@@ -538,6 +538,7 @@ impl Harness {
                     n_cells,
                     &mut out,
                     split,
+                    None,
                     &mut self.s,
                 )
                 .expect("attention");
@@ -730,6 +731,7 @@ impl Harness {
                             1,
                             n_cells,
                             &mut out,
+                            None,
                             None,
                             &mut s,
                         )

@@ -49,14 +49,64 @@ __device__ __forceinline__ void load_halves(const u16 *row, int lane, int hd, bo
     }
 }
 
+// Rotates the head a warp holds (lane's elements lane*E .. lane*E+E-1) by one row's RoPE
+// angles (cs/sn: n_rot / 2 per row), with rope_kv_write's arithmetic: pairs (2i, 2i + 1), or
+// with neox (i, i + n_rot / 2), the partner then fetched from the lane n_rot / 2 / E away
+// (the host checks that n_rot / 2 is a multiple of E). Elements from n_rot on stay.
 template <int E>
+__device__ __forceinline__ void rope_lane(float (&x)[E], int lane, const float *__restrict__ cs,
+                                          const float *__restrict__ sn, int n_rot, int neox) {
+    const int half = n_rot / 2;
+    if (!neox) {
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const int i0 = lane * E + e;
+            if (i0 + 1 < n_rot) {
+                const float c = cs[i0 / 2], sv = sn[i0 / 2];
+                const float x0 = x[e], x1 = x[e + 1];
+                x[e] = __fmaf_rn(x0, c, -__fmul_rn(x1, sv));
+                x[e + 1] = __fmaf_rn(x0, sv, __fmul_rn(x1, c));
+            }
+        }
+        return;
+    }
+    const int dl = half / E;
+    const int i0 = lane * E;
+    const int src = i0 < half ? lane + dl : (i0 < n_rot ? lane - dl : lane);
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const float other = __shfl_sync(FULL_MASK, x[e], src & 31);
+        const int i = i0 + e;
+        if (i < half) {
+            const float c = cs[i], sv = sn[i];
+            x[e] = __fmaf_rn(x[e], c, -__fmul_rn(other, sv));
+        } else if (i < n_rot) {
+            const float c = cs[i - half], sv = sn[i - half];
+            x[e] = __fmaf_rn(other, sv, __fmul_rn(x[e], c));
+        }
+    }
+}
+
+// ROPE (one query row, t = 0): q and the row's new k arrive unrotated, with k and v not yet
+// in the cache (the work of rope_kv_write, done here): each block rotates its query head
+// and its KV head's new key itself, the first query head of each KV head (split 0) stores
+// the new key and value in slot new_slot[0], and every block takes that cell's key and value
+// from its registers (rounded to f16, as stored) instead of the cache.
+struct AttnRope {
+    const float *k, *v, *cs, *sn;
+    u16 *K, *V;  // the cache, writable
+    const u32 *new_slot;
+    int n_rot, neox;
+};
+
+template <int E, bool ROPE>
 __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u64 *__restrict__ rows,
                                            const u16 *__restrict__ K, const u16 *__restrict__ V,
                                            float *__restrict__ part, float *__restrict__ out,
                                            int n_head, int n_head_kv, int hd, int kv_stride,
                                            float scale, float softcap, u32 window, int n_split,
                                            i8 *__restrict__ aq, float2 *__restrict__ ads,
-                                           int quant, int cpu) {
+                                           int quant, int cpu, const AttnRope &ar) {
     __shared__ float sm_m[ATTN_WARPS], sm_s[ATTN_WARPS];
     __shared__ float sm_acc[ATTN_WARPS][E * 32];
     const int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
@@ -81,8 +131,36 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
 #pragma unroll
     for (int e = 0; e < E; e++) {
         const int i = lane * E + e;
-        qr[e] = i < hd ? h2f(f2h(qh[i])) : 0.0f;
+        qr[e] = i < hd ? qh[i] : 0.0f;
     }
+    float knew[E], vnew[E];
+    size_t jnew = ~(size_t)0;
+    if (ROPE) {
+        rope_lane<E>(qr, lane, ar.cs, ar.sn, ar.n_rot, ar.neox);
+        jnew = ar.new_slot[0];
+        const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int i = lane * E + e;
+            knew[e] = i < hd ? kh[i] : 0.0f;
+            vnew[e] = i < hd ? vh[i] : 0.0f;
+        }
+        rope_lane<E>(knew, lane, ar.cs, ar.sn, ar.n_rot, ar.neox);
+        const bool store = sp == 0 && warp == 0 && h % (n_head / n_head_kv) == 0;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int i = lane * E + e;
+            const u16 kb = f2h(knew[e]), vb = f2h(vnew[e]);
+            if (store && i < hd) {
+                ar.K[jnew * kv_stride + (size_t)kvh * hd + i] = kb;
+                ar.V[jnew * kv_stride + (size_t)kvh * hd + i] = vb;
+            }
+            knew[e] = h2f(kb);
+            vnew[e] = h2f(vb);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < E; e++) qr[e] = h2f(f2h(qr[e]));
     float m = NEG_INF, s = 0.0f, acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
@@ -96,8 +174,16 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
     if (have) {
         p = P[c];
         const size_t j = SL ? SL[c] : (u32)c;
-        load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kf);
-        load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vf);
+        if (ROPE && j == jnew) {
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                kf[e] = knew[e];
+                vf[e] = vnew[e];
+            }
+        } else {
+            load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kf);
+            load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vf);
+        }
     }
     while (have) {
         const int cn = c + ATTN_WARPS;
@@ -107,8 +193,16 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
         if (hn) {
             pn = P[cn];
             const size_t j = SL ? SL[cn] : (u32)cn;
-            load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kn);
-            load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vn);
+            if (ROPE && j == jnew) {
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    kn[e] = knew[e];
+                    vn[e] = vnew[e];
+                }
+            } else {
+                load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kn);
+                load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vn);
+            }
         }
         if (p <= max_pos && p >= min_pos) {
             float dot = 0.0f;
@@ -186,8 +280,18 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                        int kv_stride, float scale, float softcap, u32 window, int n_split,   \
                        i8 *aq, float2 *ads, int quant, int cpu) {                            \
         PDL_ENTRY();                                                                         \
-        attn_split<E>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride, scale,     \
-                      softcap, window, n_split, aq, ads, quant, cpu);                        \
+        const AttnRope none = {};                                                            \
+        attn_split<E, false>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride,     \
+                             scale, softcap, window, n_split, aq, ads, quant, cpu, none);    \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                            \
+        attn_rope_##E(const float *q, const u64 *rows, const u16 *K, const u16 *V,           \
+                      float *part, float *out, int n_head, int n_head_kv, int hd,            \
+                      int kv_stride, float scale, float softcap, u32 window, int n_split,    \
+                      i8 *aq, float2 *ads, int quant, int cpu, AttnRope ar) {                \
+        PDL_ENTRY();                                                                         \
+        attn_split<E, true>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride,      \
+                            scale, softcap, window, n_split, aq, ads, quant, cpu, ar);       \
     }
 
 ATTN_KERNEL(2)

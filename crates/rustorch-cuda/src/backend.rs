@@ -15,7 +15,7 @@
 use std::borrow::Cow;
 
 use rustorch_core::backend::{AttnSpec, Backend, BackendError, Device, Glu, Moe, Rows, WeightRef};
-use rustorch_core::kernels::ops::Rope;
+use rustorch_core::kernels::ops::{Rope, RopeMode};
 use rustorch_core::kv_cache::{KvCache, SeqId};
 
 use crate::device::LaunchMode;
@@ -460,6 +460,57 @@ impl<'a> Cuda<'a> {
         let (lk, lv) = (store.layer_k(l), store.layer_v(l));
         // SAFETY: the slots come from the cache's bookkeeping, below the store's slot
         // count; the descriptors point into buffers that live as long as this call.
+        // one row (decode), no debugging hook (it would read q and k rotated): the
+        // attention kernel rotates q and k and writes the cache itself
+        let e = crate::kernels::ATTN_E
+            .iter()
+            .copied()
+            .find(|&e| spec.head_dim <= 32 * e);
+        let inline = rope.filter(|a| {
+            n == 1
+                && self.hook.is_none()
+                && !crate::kernels::arith().mega
+                && !crate::kernels::arith().attn_cpu
+                && a.head_dim == spec.head_dim
+                && a.rope.n_rot <= a.head_dim
+                && a.rope.n_rot.is_multiple_of(2)
+                && e.is_some_and(|e| {
+                    a.rope.mode != RopeMode::Neox || (a.rope.n_rot / 2).is_multiple_of(e)
+                })
+                && a.cos.1 >= a.rope.n_rot / 2
+                && a.sin.1 >= a.rope.n_rot / 2
+                && k.len() == kvd
+                && v.len() == kvd
+        });
+        if let Some(a) = inline {
+            let ar = crate::kernels::AttnRope {
+                k: k.ptr(),
+                v: v.ptr(),
+                cos: a.cos.0,
+                sin: a.sin.0,
+                pool_k: lk,
+                pool_v: lv,
+                new_slot: slots,
+                n_rot: a.rope.n_rot as i32,
+                neox: i32::from(a.rope.mode == RopeMode::Neox),
+            };
+            // SAFETY: as below; `slots` holds the row's new slot, inside the pools.
+            return unsafe {
+                dev.attention(
+                    &shape,
+                    q,
+                    lk,
+                    lv,
+                    descs,
+                    n,
+                    max_cells,
+                    out,
+                    None,
+                    Some(&ar),
+                    &mut self.st().s,
+                )
+            };
+        }
         unsafe {
             match rope {
                 Some(a) => {
@@ -499,6 +550,7 @@ impl<'a> Cuda<'a> {
                 n,
                 max_cells,
                 out,
+                None,
                 None,
                 &mut self.st().s,
             )

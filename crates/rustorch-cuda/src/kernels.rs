@@ -133,6 +133,7 @@ pub fn kernel_names() -> Vec<String> {
     }
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
+        v.push(format!("attn_rope_{e}"));
         v.push(format!("attn_cpu_{e}"));
     }
     v
@@ -222,6 +223,26 @@ impl AttnRow {
         ]);
     }
 }
+
+/// What [`CudaDevice::attention`] needs to do `rope_kv_write`'s work itself for one query
+/// row (the kernels' `AttnRope`): the row's unrotated `k` and its `v`, the row's angles,
+/// the layer's cache pools, the device address of the row's new slot, the rotation.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttnRope {
+    pub k: u64,
+    pub v: u64,
+    pub cos: u64,
+    pub sin: u64,
+    pub pool_k: u64,
+    pub pool_v: u64,
+    pub new_slot: u64,
+    pub n_rot: i32,
+    pub neox: i32,
+}
+
+// SAFETY: plain old data laid out as the kernels' struct (64 bytes, no padding).
+unsafe impl cudarc::driver::DeviceRepr for AttnRope {}
 
 /// Shapes and scaling of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -952,10 +973,12 @@ impl CudaDevice {
     /// pools `pool_k`, `pool_v` (one layer): `out = softmax(q·Kᵀ·scale, visible cells) · V`,
     /// zeros where no cell is visible. `max_cells` (the most cells of a row) sizes the
     /// sequence splits; `split` forces their number (default: enough blocks to fill the GPU).
+    /// With `rope` (one row), `q` and the row's key arrive unrotated and the key and value
+    /// are not yet in the pools: the launch does [`CudaDevice::rope_kv_write`]'s work too.
     ///
     /// # Safety
     /// Every descriptor must point to live device memory holding its `n_cells` slots and
-    /// positions, and every slot must lie inside the pools.
+    /// positions, and every slot must lie inside the pools; so must `rope`'s addresses.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attention(
         &self,
@@ -968,9 +991,15 @@ impl CudaDevice {
         max_cells: usize,
         out: &mut GpuVec<f32>,
         split: Option<usize>,
+        rope: Option<&AttnRope>,
         s: &mut Scratch,
     ) -> Result<()> {
         let (nh, hd) = (shape.n_head, shape.head_dim);
+        if rope.is_some() && (n != 1 || split.is_none() && arith().attn_cpu) {
+            return Err(CudaError::Unsupported(
+                "attention with the rotation inside: one row, split kernel".into(),
+            ));
+        }
         if shape.n_head_kv == 0 || !nh.is_multiple_of(shape.n_head_kv) {
             return Err(CudaError::Unsupported(format!(
                 "{nh} heads over {} KV heads",
@@ -1038,15 +1067,27 @@ impl CudaDevice {
             n_split as i32,
         );
         let (sc, cap, win) = (shape.scale, shape.softcap, shape.window);
-        self.launch(
-            &format!("attn_split_{e}"),
-            (nh as u32, n as u32, n_split as u32),
-            128,
-            &[
-                &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap, &win,
-                &ns, &aq, &ads, &quant, &cpu,
-            ],
-        )?;
+        let grid = (nh as u32, n as u32, n_split as u32);
+        match rope {
+            Some(ar) => self.launch(
+                &format!("attn_rope_{e}"),
+                grid,
+                128,
+                &[
+                    &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap,
+                    &win, &ns, &aq, &ads, &quant, &cpu, ar,
+                ],
+            )?,
+            None => self.launch(
+                &format!("attn_split_{e}"),
+                grid,
+                128,
+                &[
+                    &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap,
+                    &win, &ns, &aq, &ads, &quant, &cpu,
+                ],
+            )?,
+        }
         if n_split > 1 {
             // one thread per output value (128 per block for the persistent kernel)
             let bs = if arith().mega { 128 } else { 32 };
