@@ -678,39 +678,91 @@ __device__ __forceinline__ void mmv_float(const u8 *__restrict__ W, const float 
 
 // One token, float weights: a warp per row, 16-byte weight loads (8 F16/BF16 or 4 F32
 // values per lane and step), several in flight. Needs n_cols a multiple of 8 (F16/BF16) or
-// 4 (F32) and 16-byte-aligned rows (the host checks).
+// 4 (F32) and 16-byte-aligned rows (the host checks). Every one-token float product sums a
+// row the same way: each lane its 16-byte chunks lane, lane + 32, ... in order (mmv_chunk),
+// then across the warp.
+template <int TY>
+__device__ __forceinline__ float mmv_chunk(float acc, const uint4 w, const float4 *xv, int i) {
+    if (TY == 0) {
+        const float4 a = xv[i];
+        acc += __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y +
+               __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
+    } else {
+        const float4 a = xv[2 * i], b = xv[2 * i + 1];
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+        const float av[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float lo = TY == 1 ? h2f((u16)(ws[k] & 0xFFFF)) : bf2f((u16)(ws[k] & 0xFFFF));
+            const float hi = TY == 1 ? h2f((u16)(ws[k] >> 16)) : bf2f((u16)(ws[k] >> 16));
+            acc += lo * av[2 * k] + hi * av[2 * k + 1];
+        }
+    }
+    return acc;
+}
+
+template <int TY>
+__device__ __forceinline__ float mmv_row1(const u8 *__restrict__ wrow, const float *__restrict__ x,
+                                          int n_cols) {
+    const int lane = threadIdx.x & 31;
+    const uint4 *wr = (const uint4 *)wrow;
+    const float4 *xv = (const float4 *)x;
+    const int nv = n_cols / (TY == 0 ? 4 : 8);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int i = lane; i < nv; i += 32) acc = mmv_chunk<TY>(acc, wr[i], xv, i);
+    return warp_sum(acc);
+}
+
+// Two rows against the same activations in one walk (gate and up), each summed as mmv_row1.
+template <int TY>
+__device__ __forceinline__ float2 mmv_row1x2(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
+                                             const float *__restrict__ x, int n_cols) {
+    const int lane = threadIdx.x & 31;
+    const uint4 *r0 = (const uint4 *)w0, *r1 = (const uint4 *)w1;
+    const float4 *xv = (const float4 *)x;
+    const int nv = n_cols / (TY == 0 ? 4 : 8);
+    float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll 2
+    for (int i = lane; i < nv; i += 32) {
+        const uint4 u0 = r0[i], u1 = r1[i];
+        a0 = mmv_chunk<TY>(a0, u0, xv, i);
+        a1 = mmv_chunk<TY>(a1, u1, xv, i);
+    }
+    return make_float2(warp_sum(a0), warp_sum(a1));
+}
+
 template <int TY>
 __device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float *__restrict__ x,
                                            float *__restrict__ out, int n_rows, int n_cols) {
     const int row = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
     if (row >= n_rows) return;
-    const int per = TY == 0 ? 4 : 8;  // values per 16-byte load
-    const uint4 *wr = (const uint4 *)(W + (size_t)row * n_cols * (TY == 0 ? 4 : 2));
-    const float4 *xv = (const float4 *)x;
-    const int nv = n_cols / per;
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int i = lane; i < nv; i += 32) {
-        const uint4 w = wr[i];
-        if (TY == 0) {
-            const float4 a = xv[i];
-            acc += __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y +
-                   __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
-        } else {
-            const float4 a = xv[2 * i], b = xv[2 * i + 1];
-            const u32 ws[4] = {w.x, w.y, w.z, w.w};
-            const float av[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float lo = TY == 1 ? h2f((u16)(ws[k] & 0xFFFF)) : bf2f((u16)(ws[k] & 0xFFFF));
-                const float hi = TY == 1 ? h2f((u16)(ws[k] >> 16)) : bf2f((u16)(ws[k] >> 16));
-                acc += lo * av[2 * k] + hi * av[2 * k + 1];
-            }
+    const float v = mmv_row1<TY>(W + (size_t)row * n_cols * (TY == 0 ? 4 : 2), x, n_cols);
+    if ((threadIdx.x & 31) == 0) out[row] = v;
+}
+
+// One token, up to three float matrices of one type and width in one launch (rows as in
+// mmvq1), or with `glu` the gate and up rows of one warp and act(gate) * up stored (the
+// swiglu / geglu kernels' arithmetic): each row summed as mmv_row1 sums it.
+template <int TY>
+__device__ __forceinline__ void mmv1_job(const MmvJob &j, const float *__restrict__ x, int n_cols) {
+    int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
+    if (!j.glu) {
+        for (; m < j.n - 1; m++) {
+            if (wi < job_rows(j, m)) break;
+            wi -= job_rows(j, m);
         }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) out[row] = acc;
+    if (wi >= job_rows(j, m)) return;
+    const size_t rb = (size_t)n_cols * (TY == 0 ? 4 : 2);
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    if (!j.glu) {
+        const float v = mmv_row1<TY>(job_w(j, m) + (size_t)wi * rb, x, n_cols);
+        if (lane0) job_out(j, m)[wi] = v;
+        return;
+    }
+    const float2 gu = mmv_row1x2<TY>(j.w[0] + (size_t)wi * rb, j.w[1] + (size_t)wi * rb, x, n_cols);
+    if (lane0) j.out[0][wi] = glu_act(j.glu, gu.x, gu.y);
 }
 
 #define MMVQ1_KERNEL(NAME, F)                                                                 \
@@ -770,6 +822,11 @@ MMVQ_ALL(iq4_xs, FIQ4_XS)
         mmv1_##NAME(const u8 *W, const float *x, float *out, int n_rows, int n_cols) {       \
         PDL_ENTRY();                                                                         \
         mmv_float1<TY>(W, x, out, n_rows, n_cols);                                           \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
+        mmv1j_##NAME(MmvJob j, const float *x, int n_cols) {                                 \
+        PDL_ENTRY();                                                                         \
+        mmv1_job<TY>(j, x, n_cols);                                                          \
     }                                                                                        \
     MMVF_KERNEL(NAME, TY, 1)                                                                 \
     MMVF_KERNEL(NAME, TY, 2)                                                                 \

@@ -126,7 +126,9 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("{kind}_{s}_{nt}"));
         }
         v.push(format!("{kind}1_{s}"));
-        if !is_float(ty) {
+        if is_float(ty) {
+            v.push(format!("mmv1j_{s}"));
+        } else {
             v.push(format!("mmvq1g_{s}"));
         }
         v.push(format!("get_rows_{s}"));
@@ -407,9 +409,15 @@ impl CudaDevice {
         if ws.iter().any(|w| !is_float(w.ty)) {
             self.quantize_acts(x, n_tok, n_cols, s)?;
         }
-        // quantized matrices of one format share a launch (up to three)
-        if ws.len() <= 3 && !is_float(first.ty) && ws.iter().all(|w| w.ty == first.ty) {
-            return self.mmvq(ws, n_tok, outs, 0, s);
+        // quantized matrices of one format share a launch (up to three); so do float ones
+        // for one token
+        if ws.len() <= 3 && ws.iter().all(|w| w.ty == first.ty) {
+            if !is_float(first.ty) {
+                return self.mmvq(ws, n_tok, outs, 0, s);
+            }
+            if n_tok == 1 && ws.len() > 1 && self.float_job_ok(first) {
+                return self.mmv1_job(ws, x, outs, 0);
+            }
         }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             if is_float(w.ty) {
@@ -478,6 +486,51 @@ impl CudaDevice {
             )?;
         }
         Ok(())
+    }
+
+    /// Whether one-token float products of `w`'s type and width can share a launch.
+    fn float_job_ok(&self, w: &CudaMatrix) -> bool {
+        let per = if w.ty == GgmlType::F32 { 4 } else { 8 };
+        is_float(w.ty) && w.n_cols.is_multiple_of(per) && arith().decode_kernels && !arith().mega
+    }
+
+    /// One token: up to three float matrices of one type and width in one launch, or with
+    /// `glu` (two matrices of equal rows) `outs[0] = act(x·W0) ⊙ x·W1`.
+    fn mmv1_job(
+        &self,
+        ws: &[&CudaMatrix],
+        x: &GpuVec<f32>,
+        outs: &mut [&mut GpuVec<f32>],
+        glu: i32,
+    ) -> Result<()> {
+        let first = ws[0];
+        let st = stem(first.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
+        let mut job = MmvJob {
+            n: ws.len() as i32,
+            glu,
+            ..MmvJob::default()
+        };
+        for (m, w) in ws.iter().enumerate() {
+            job.w[m] = w.data.ptr();
+            job.rows[m] = w.n_rows as i32;
+        }
+        let n_out = if glu != 0 { 1 } else { ws.len() };
+        for (m, out) in outs.iter_mut().enumerate().take(n_out) {
+            out.resize(self, ws[m].n_rows)?;
+            job.out[m] = out.ptr();
+        }
+        let rows: usize = if glu != 0 {
+            first.n_rows
+        } else {
+            ws.iter().map(|w| w.n_rows).sum()
+        };
+        let (xp, nc) = (x.ptr(), first.n_cols as i32);
+        self.launch(
+            &format!("mmv1j_{st}"),
+            (blocks(rows, MMV_THREADS / 32), 1, 1),
+            MMV_THREADS as u32,
+            &[&job, &xp, &nc],
+        )
     }
 
     /// Products of up to three quantized matrices of one format and width with the
@@ -561,7 +614,7 @@ impl CudaDevice {
         gate: &mut GpuVec<f32>,
         s: &mut Scratch,
     ) -> Option<Result<()>> {
-        if is_float(wg.ty) || wg.ty != wu.ty || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
+        if wg.ty != wu.ty || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
             return None;
         }
         let n_cols = wg.n_cols;
@@ -569,6 +622,13 @@ impl CudaDevice {
             return None;
         }
         let n_tok = x.len() / n_cols;
+        if is_float(wg.ty) {
+            if n_tok != 1 || !self.float_job_ok(wg) {
+                return None;
+            }
+            let mut spare = GpuVec::default();
+            return Some(self.mmv1_job(&[wg, wu], x, &mut [gate, &mut spare], 1 + i32::from(gelu)));
+        }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
         }
