@@ -7,6 +7,8 @@
 #   ours    scripts/gpu-check.sh on them (GPU tests if TEST_BIN is set, diff, bench)
 #   wait    wait for the llama.cpp build
 #   theirs  llama-bench -ngl 99 -fa 1 -p 512 -n 128 on each model
+#   alternate  llama-bench and `rustorch bench --device cuda` (-p 512 -n 128 -r 5) one after
+#           the other on each model, two rounds: t/s means, pp512 and tg128
 #   kl      KL-divergence of GPU against CPU for both engines, llama-perplexity's method
 #           (-c 512, 4 chunks of TEXT): each engine's CPU writes a base file, its GPU reads it;
 #           our GPU is also scored against llama.cpp's CPU base (the formats are the same)
@@ -62,6 +64,18 @@ for step in "$@"; do
       for m in "${models[@]}"; do
         "$LCPP/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 512 -n 128 -r 5 -o md 2>/dev/null \
           | tee -a "$OUT/theirs.log"
+      done
+      ;;
+    alternate)
+      for r in 1 2; do
+        for m in "${models[@]}"; do
+          l=$("$LCPP/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 512 -n 128 -r 5 -o csv 2>/dev/null \
+            | awk -F, 'NR>1{gsub(/"/,""); print $(NF-1)}' | tr '\n' ' ')
+          o=$("$BIN" bench -m "$m" --device cuda -p 512 -n 128 -r 5 2>&1 \
+            | grep -E "pp512|tg128" | awk -F'|' '{print $(NF-1)}' | tr -s ' ' | tr '\n' ' ')
+          echo "$(basename "$m" .gguf) round $r llama.cpp (pp512, tg128): $l| rustorch: $o" \
+            | tee -a "$OUT/alternate.log"
+        done
       done
       ;;
     kl)
