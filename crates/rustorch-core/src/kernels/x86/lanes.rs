@@ -83,6 +83,22 @@ pub(crate) unsafe fn tile<const F: u8, const T: usize>(
     }
 }
 
+/// A signed legacy block's (Q4_0, Q5_0, Q8_0) 32 values as signed bytes. Q5_0 as ggml's
+/// AVX2 code builds them: the low four bits, and `0xF0` where the fifth bit is clear.
+#[inline(always)]
+unsafe fn svalues<const F: u8>(p: *const u8) -> __m256i {
+    if F != Q5_0 {
+        return values::<F>(p);
+    }
+    let qs = _mm_loadu_si128(p.add(qs_off(F)) as *const __m128i);
+    let v = _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs),
+        _mm256_set1_epi8(0x0f),
+    );
+    let hi = super::bytes_from_bits_32(p.add(qh_off(F)));
+    _mm256_or_si256(v, _mm256_andnot_si256(hi, _mm256_set1_epi8(-16)))
+}
+
 /// [`tile`] for exactly `T` activation rows (the first `nt` stored).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -145,6 +161,102 @@ unsafe fn tile_n<const F: u8, const T: usize>(
                 s = (*a.d.add(b) * f16(rd_u16(p))).mul_add(si, s);
             }
             *out.add(t * ostride + r) = s + summs[t];
+        }
+    }
+}
+
+/// Unpacks `nr` weight rows of a signed legacy format (Q4_0, Q5_0, Q8_0; `rb` bytes apart,
+/// `nb` blocks each) for [`tile_u`]: block `b` of row `r` as 32 signed bytes at
+/// `xs + 32 (r nb + b)` and its scale as f32 at `dws + r nb + b`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `xs` must hold `32 nr nb` bytes, `dws` `nr nb` f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn unpack_rows<const F: u8>(
+    w: *const u8,
+    rb: usize,
+    nr: usize,
+    nb: usize,
+    xs: *mut u8,
+    dws: *mut f32,
+) {
+    let bs = block_bytes(F);
+    for r in 0..nr {
+        let row = w.add(r * rb);
+        for b in 0..nb {
+            let p = row.add(b * bs);
+            let i = r * nb + b;
+            _mm256_storeu_si256(xs.add(32 * i) as *mut __m256i, svalues::<F>(p));
+            *dws.add(i) = f16(rd_u16(p));
+        }
+    }
+}
+
+/// Blocks per chunk of [`tile_u`]'s scale table.
+const TILE_U_CHUNK: usize = 64;
+
+/// [`tile`] for Q4_0/Q5_0/Q8_0 on rows unpacked by [`unpack_rows`] (`nr <= 16` rows of `nb`
+/// blocks of format `F`), so that a group of rows is unpacked once for all its activation
+/// tiles. The same float steps: per (weight row, activation row) one FMA per block of the
+/// eight exact lane sums with the scale `dw * da`, in block order, then `hsum_float_8`. Each
+/// block's `T` scales come from one multiply by a per-chunk table of the activation scales,
+/// and the accumulators of the rows stay on the stack between chunks of blocks.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn tile_u<const F: u8, const T: usize>(
+    xs: *const u8,
+    dws: *const f32,
+    nr: usize,
+    nb: usize,
+    acts: &[ActRow; T],
+    nt: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
+    const { assert!(T == 1 || T == 2 || T == 4 || T == 8) };
+    debug_assert!(nr <= 16);
+    let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
+    // activation scales per block of the chunk, T wide (a 256-bit row each, T <= 8)
+    let mut dtab = [[0f32; 8]; TILE_U_CHUNK];
+    let mut accs = [[_mm256_setzero_ps(); T]; 16];
+    let mut sc = [0f32; 8];
+    let mut c0 = 0;
+    while c0 < nb {
+        let nc = (nb - c0).min(TILE_U_CHUNK);
+        for c in 0..nc {
+            for t in 0..T {
+                dtab[c][t] = *acts[t].d.add(c0 + c);
+            }
+        }
+        for r in 0..nr {
+            let mut acc = accs[r];
+            for c in 0..nc {
+                let b = c0 + c;
+                let i = r * nb + b;
+                let x = _mm256_loadu_si256(xs.add(32 * i) as *const __m256i);
+                let ax = _mm256_sign_epi8(x, x);
+                let dw = _mm256_broadcast_ss(&*dws.add(i));
+                let s = _mm256_mul_ps(dw, _mm256_loadu_ps(dtab[c].as_ptr()));
+                _mm256_storeu_ps(sc.as_mut_ptr(), s);
+                // read back from memory: one broadcast load per activation row, no shuffles
+                std::hint::black_box(&mut sc);
+                for t in 0..T {
+                    let y = _mm256_loadu_si256(acts[t].q.add(b * abs + aqo) as *const __m256i);
+                    let pr = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x));
+                    let l = _mm256_cvtepi32_ps(_mm256_madd_epi16(pr, _mm256_set1_epi16(1)));
+                    acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[t]), l, acc[t]);
+                }
+            }
+            accs[r] = acc;
+        }
+        c0 += nc;
+    }
+    for r in 0..nr {
+        for t in 0..nt.min(T) {
+            *out.add(t * ostride + r) = hsum_float_8(accs[r][t]);
         }
     }
 }
