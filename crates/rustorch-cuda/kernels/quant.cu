@@ -445,6 +445,20 @@ __device__ __forceinline__ float *job_out(const MmvJob &j, int m) {
     return m == 0 ? j.out[0] : m == 1 ? j.out[1] : j.out[2];
 }
 
+// The row of a one-token product's warp (a warp per row): row `wi` of matrix `m`, rows counted
+// matrix after matrix (with `glu`, row `wi` of both). False when the warp has none.
+__device__ __forceinline__ bool job_warp_row(const MmvJob &j, int &m, int &wi) {
+    wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+    m = 0;
+    if (!j.glu) {
+        for (; m < j.n - 1; m++) {
+            if (wi < job_rows(j, m)) break;
+            wi -= job_rows(j, m);
+        }
+    }
+    return wi < job_rows(j, m);
+}
+
 // The gated activation of gate value x and up value u: glu 1 = SiLU, 2 = ggml's tanh GELU.
 __device__ __forceinline__ float glu_act(int glu, float x, float u) {
     float g;
@@ -544,14 +558,8 @@ __device__ __forceinline__ float2 mmvq_row1x2(const u8 *__restrict__ w0, const u
 template <class F>
 __device__ __forceinline__ void mmvq1_prefetch(const MmvJob &j, int n_cols) {
 #ifdef RT_PDL_PREFETCH
-    int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
-    if (!j.glu) {
-        for (; m < j.n - 1; m++) {
-            if (wi < job_rows(j, m)) break;
-            wi -= job_rows(j, m);
-        }
-    }
-    if (wi >= job_rows(j, m)) return;
+    int m, wi;
+    if (!job_warp_row(j, m, wi)) return;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
     const int lane = threadIdx.x & 31;
     pdl_prefetch(job_w(j, m) + (size_t)wi * row_bytes, row_bytes, lane, 32);
@@ -562,15 +570,8 @@ __device__ __forceinline__ void mmvq1_prefetch(const MmvJob &j, int n_cols) {
 template <class F>
 __device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq,
                                       const float2 *__restrict__ ads, int n_cols) {
-    int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
-    if (!j.glu) {
-        for (; m < j.n - 1; m++) {
-            if (wi < job_rows(j, m)) break;
-            wi -= job_rows(j, m);
-        }
-    }
-    const int n_rows = job_rows(j, m);
-    if (wi >= n_rows) return;  // the whole warp: no block barrier follows
+    int m, wi;
+    if (!job_warp_row(j, m, wi)) return;  // the whole warp: no block barrier follows
     const int ng = n_cols >> 5;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
     if (!j.glu) {
@@ -746,14 +747,8 @@ __device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float
 // swiglu / geglu kernels' arithmetic): each row summed as mmv_row1 sums it.
 template <int TY>
 __device__ __forceinline__ void mmv1_job(const MmvJob &j, const float *__restrict__ x, int n_cols) {
-    int wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5), m = 0;
-    if (!j.glu) {
-        for (; m < j.n - 1; m++) {
-            if (wi < job_rows(j, m)) break;
-            wi -= job_rows(j, m);
-        }
-    }
-    if (wi >= job_rows(j, m)) return;
+    int m, wi;
+    if (!job_warp_row(j, m, wi)) return;
     const size_t rb = (size_t)n_cols * (TY == 0 ? 4 : 2);
     const bool lane0 = (threadIdx.x & 31) == 0;
     if (!j.glu) {

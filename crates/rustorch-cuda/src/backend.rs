@@ -458,8 +458,6 @@ impl<'a> Cuda<'a> {
             window: spec.window.unwrap_or(0),
         };
         let (lk, lv) = (store.layer_k(l), store.layer_v(l));
-        // SAFETY: the slots come from the cache's bookkeeping, below the store's slot
-        // count; the descriptors point into buffers that live as long as this call.
         // one row (decode), no debugging hook (it would read q and k rotated): the
         // attention kernel rotates q and k and writes the cache itself
         let e = crate::kernels::ATTN_E
@@ -482,38 +480,25 @@ impl<'a> Cuda<'a> {
                 && k.len() == kvd
                 && v.len() == kvd
         });
-        if let Some(a) = inline {
-            let ar = crate::kernels::AttnRope {
-                k: k.ptr(),
-                v: v.ptr(),
-                cos: a.cos.0,
-                sin: a.sin.0,
-                pool_k: lk,
-                pool_v: lv,
-                new_slot: slots,
-                n_rot: a.rope.n_rot as i32,
-                neox: i32::from(a.rope.mode == RopeMode::Neox),
-            };
-            // SAFETY: as below; `slots` holds the row's new slot, inside the pools.
-            return unsafe {
-                dev.attention(
-                    &shape,
-                    q,
-                    lk,
-                    lv,
-                    descs,
-                    n,
-                    max_cells,
-                    out,
-                    None,
-                    Some(&ar),
-                    &mut self.st().s,
-                )
-            };
-        }
+        let ar = inline.map(|a| crate::kernels::AttnRope {
+            k: k.ptr(),
+            v: v.ptr(),
+            cos: a.cos.0,
+            sin: a.sin.0,
+            pool_k: lk,
+            pool_v: lv,
+            new_slot: slots,
+            n_rot: a.rope.n_rot as i32,
+            neox: i32::from(a.rope.mode == RopeMode::Neox),
+        });
+        // SAFETY: the slots come from the cache's bookkeeping, below the store's slot
+        // count; the descriptors point into buffers that live as long as this call; with
+        // `ar`, `slots` holds the row's new slot, inside the pools.
         unsafe {
-            match rope {
-                Some(a) => {
+            match (rope, &ar) {
+                // the attention launch rotates and writes the cache itself
+                (_, Some(_)) => {}
+                (Some(a), None) => {
                     // q and k rotated here (their `rope` calls were deferred), k and v
                     // written to the cache in the same launch
                     let (mut qv, mut kv) = (
@@ -539,7 +524,7 @@ impl<'a> Cuda<'a> {
                         n,
                     )?;
                 }
-                None => dev.kv_write(k, v, kvd, lk, lv, slots, n)?,
+                (None, None) => dev.kv_write(k, v, kvd, lk, lv, slots, n)?,
             }
             dev.attention(
                 &shape,
@@ -551,7 +536,7 @@ impl<'a> Cuda<'a> {
                 max_cells,
                 out,
                 None,
-                None,
+                ar.as_ref(),
                 &mut self.st().s,
             )
         }
