@@ -957,13 +957,7 @@ fn run_tiles_unpacked<const F: u8>(
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
     let nb = w.n_cols / fmt::block_len(F);
-    let groups = n_rows.div_ceil(16);
-    let (n_tasks, per) = split(pool, groups, 1);
-    let dst = SendPtr(out.as_mut_ptr());
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
+    run_row_groups16(pool, n_rows, out, &|gs, dst| {
         let base = w.data.as_ptr();
         UNPACKED.with(|buf| {
             let mut buf = buf.borrow_mut();
@@ -974,7 +968,7 @@ fn run_tiles_unpacked<const F: u8>(
             }
             let xs = buf.as_mut_ptr();
             let dws = xs.wrapping_add(16 * nb * 32) as *mut f32;
-            for g in task * per..((task + 1) * per).min(groups) {
+            for g in gs.clone() {
                 let r0 = 16 * g;
                 let nr = (n_rows - r0).min(16);
                 // SAFETY: AVX2/FMA/F16C were detected by the caller; rows r0..r0+nr exist; the
@@ -985,7 +979,7 @@ fn run_tiles_unpacked<const F: u8>(
                         let nt = (n_tok - t0).min(8);
                         let acts: [ActRow; 8] =
                             std::array::from_fn(|i| act_row(qa, t0 + i.min(nt - 1)));
-                        let o = dst.0.add(t0 * n_rows + r0);
+                        let o = dst.add(t0 * n_rows + r0);
                         let a = &acts;
                         match nt {
                             1 => tile_u::<F, 1>(xs, dws, nr, nb, &[a[0]], nt, o, n_rows),
@@ -1103,6 +1097,27 @@ fn run_tiles512<const F: u8>(pool: &ThreadPool, w: &QMatrix<'_>, qa: &QActs, out
     });
 }
 
+/// Splits the 16-row groups of `n_rows` output rows over the pool: each task gets `body`
+/// with its contiguous range of groups and the base of `out` (rows of `n_rows` per token),
+/// whose columns of those rows it alone writes.
+#[cfg(target_arch = "x86_64")]
+fn run_row_groups16(
+    pool: &ThreadPool,
+    n_rows: usize,
+    out: &mut [f32],
+    body: &(dyn Fn(std::ops::Range<usize>, *mut f32) + Sync),
+) {
+    let groups = n_rows.div_ceil(16);
+    let (n_tasks, per) = split(pool, groups, 1);
+    let dst = SendPtr(out.as_mut_ptr());
+    pool.run(n_tasks, &|task| {
+        #[allow(clippy::redundant_locals)]
+        // capture the whole Send wrapper, not its raw-pointer field
+        let dst = dst;
+        body(task * per..((task + 1) * per).min(groups), dst.0);
+    });
+}
+
 /// Runs `kern` over groups of 16 weight rows (split over the pool) and tiles of `T`
 /// activation rows.
 #[cfg(target_arch = "x86_64")]
@@ -1118,15 +1133,9 @@ fn run_tiles<const T: usize>(
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
     let nb = w.n_cols / fmt::block_len(f);
-    let groups = n_rows.div_ceil(16);
-    let (n_tasks, per) = split(pool, groups, 1);
-    let dst = SendPtr(out.as_mut_ptr());
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
+    run_row_groups16(pool, n_rows, out, &|gs, dst| {
         let base = w.data.as_ptr();
-        for g in task * per..((task + 1) * per).min(groups) {
+        for g in gs {
             let r0 = 16 * g;
             let nr = (n_rows - r0).min(16);
             for t0 in (0..n_tok).step_by(T) {
@@ -1141,7 +1150,7 @@ fn run_tiles<const T: usize>(
                         nb,
                         &acts,
                         nt,
-                        dst.0.add(t0 * n_rows + r0),
+                        dst.add(t0 * n_rows + r0),
                         n_rows,
                     )
                 };
