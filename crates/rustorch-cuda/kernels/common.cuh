@@ -110,8 +110,8 @@ __device__ __forceinline__ void quantize_lane(float v, i8 *aq, size_t i, float2 
 // stream is still running, so every kernel begins with PDL_ENTRY: wait until the previous
 // grid has completed and its writes are visible (`griddepcontrol.wait`), then let the next
 // kernel's blocks be scheduled (`griddepcontrol.launch_dependents`). Nothing is read or
-// written before the wait except what no kernel writes (weights, through PDL_PREFETCH), so
-// each kernel still sees everything every earlier kernel wrote. Where the kernel was not
+// written before the wait except what no kernel writes (weights, prefetched by the `pre` of
+// PDL_ENTRY_AFTER), so each kernel still sees everything every earlier kernel wrote. Where the kernel was not
 // launched that way, the wait returns at once. src/mega.rs defines RT_NO_PDL.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(RT_NO_PDL)
 #define PDL_ENTRY()                                                    \
