@@ -34,6 +34,14 @@ pub fn kernel_source() -> String {
         crate::kernels::Pdl::On => {}
         crate::kernels::Pdl::Prefetch => s.push_str("#define RT_PDL_PREFETCH\n"),
     }
+    // experimental variants for A/B runs on one build: `RUSTORCH_CUDA_DEFS=NAME[=VALUE],...`
+    // prepends `#define NAME VALUE` (part of the source, so of the module cache's key)
+    if let Ok(defs) = std::env::var("RUSTORCH_CUDA_DEFS") {
+        for d in defs.split(',').filter(|d| !d.is_empty()) {
+            let (k, v) = d.split_once('=').unwrap_or((d, ""));
+            s.push_str(&format!("#define {k} {v}\n"));
+        }
+    }
     for (name, src) in KERNEL_SOURCES {
         s.push_str(&format!("// ---- {name}\n"));
         s.push_str(src);

@@ -55,6 +55,10 @@ pub struct Arith {
     /// Programmatic dependent launch (`RUSTORCH_CUDA_PDL`: `0` off, `1` on, default on with
     /// the one-token products prefetching their weights into L2 before they wait).
     pub pdl: Pdl,
+    /// Timing only, results wrong (`RUSTORCH_CUDA_PROBE=nonorm,noqkv,noglu,noo,nodown,noout`):
+    /// one-row launches of that kind skipped (RMSNorm, the Q/K/V, gate/up, square,
+    /// wider-than-tall and output products), to measure what each costs in a decode step.
+    pub probe: u32,
 }
 
 /// See [`Arith::pdl`].
@@ -79,8 +83,31 @@ pub fn arith() -> Arith {
                 "1" => Pdl::On,
                 _ => Pdl::Prefetch,
             },
+            probe: var("RUSTORCH_CUDA_PROBE")
+                .split(',')
+                .map(|m| match m {
+                    "nonorm" => 1,
+                    "noqkv" => 4,
+                    "noglu" => 8,
+                    "noo" => 16,
+                    "nodown" => 32,
+                    "noout" => 64,
+                    _ => 0,
+                })
+                .fold(0, |a, b| a | b),
         }
     })
+}
+
+/// Whether `RUSTORCH_CUDA_PROBE` skips this one-token product (see [`Arith::probe`]).
+fn probe_skip(ws: &[&CudaMatrix], glu: bool) -> bool {
+    let p = arith().probe;
+    let w0 = ws[0];
+    (p & 4 != 0 && ws.len() == 3)
+        || (p & 8 != 0 && glu)
+        || (p & 16 != 0 && !glu && ws.len() == 1 && w0.n_rows == w0.n_cols)
+        || (p & 32 != 0 && !glu && ws.len() == 1 && w0.n_cols > w0.n_rows)
+        || (p & 64 != 0 && !glu && ws.len() == 1 && w0.n_rows >= 8 * w0.n_cols)
 }
 
 fn stem(ty: GgmlType) -> Option<&'static str> {
@@ -464,6 +491,9 @@ impl CudaDevice {
         if n_tok == 1 && w.n_cols.is_multiple_of(per) && arith().decode_kernels {
             // one token: a warp per row, 16-byte loads (rows stay 16-byte aligned)
             let (xp, op) = (x.ptr(), out.ptr());
+            if probe_skip(&[w], false) {
+                return Ok(());
+            }
             return self.launch(
                 &format!("mmv1_{st}"),
                 (blocks(w.n_rows, MMV_THREADS / 32), 1, 1),
@@ -525,6 +555,9 @@ impl CudaDevice {
             ws.iter().map(|w| w.n_rows).sum()
         };
         let (xp, nc) = (x.ptr(), first.n_cols as i32);
+        if probe_skip(ws, glu != 0) {
+            return Ok(());
+        }
         self.launch(
             &format!("mmv1j_{st}"),
             (blocks(rows, MMV_THREADS / 32), 1, 1),
@@ -577,6 +610,9 @@ impl CudaDevice {
                 ws.iter().map(|w| w.n_rows).sum()
             };
             let (aq, ads) = s.acts();
+            if probe_skip(ws, glu != 0) {
+                return Ok(());
+            }
             return self.launch(
                 &format!("mmvq1_{st}"),
                 (blocks(rows, MMV_THREADS / 32), 1, 1),
@@ -673,15 +709,18 @@ impl CudaDevice {
         let (aq, ads) = s.acts();
         let (gq, gds) = (s.gq.ptr(), s.gds.ptr());
         let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
+        // (set before the launch: the timing probe may skip it)
+        s.acts_of = Some((gate.ptr(), n_rows, n_rows));
+        s.alt = true;
+        if probe_skip(&[wg, wu], true) {
+            return Ok(());
+        }
         self.launch(
             &format!("mmvq1g_{st}"),
             ((n_rows / 32) as u32, 1, 1),
             GLUQ_THREADS,
             &[&job, &aq, &ads, &nc, &gq, &gds, &cpu],
-        )?;
-        s.acts_of = Some((gate.ptr(), n_rows, n_rows));
-        s.alt = true;
-        Ok(())
+        )
     }
 
     /// `out[i] = dequantize(table[ids[i]])`, the host dequantizer's values exactly.
@@ -815,6 +854,9 @@ impl CudaDevice {
         let (wp, ni, cpu) = (w.ptr(), n as i32, i32::from(arith().q8_cpu));
         // with the persistent decode kernel, 128 threads at most: its blocks (crate::mega)
         // run the norm with 128, so the f64 sum of squares is summed in the same order here
+        if arith().probe & 1 != 0 && len == n {
+            return Ok(());
+        }
         let most = if arith().mega { 128 } else { 1024 };
         let threads = (n.div_ceil(32) * 32).clamp(32, most) as u32;
         self.launch(
