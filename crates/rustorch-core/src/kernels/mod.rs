@@ -353,7 +353,7 @@ fn matmul_fused(
     {
         let kern = |f: u8| -> GemvFn {
             if isa == Isa::Avx512 {
-                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
+                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k512 as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
             } else {
                 with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
             }
@@ -386,7 +386,9 @@ fn matmul_fused(
                 groups.div_ceil(per)
             };
             jobs.push(Job {
-                kern: if q4k_repacked(w) {
+                kern: if q4k_repacked(w) && isa == Isa::Avx512 {
+                    q4k_ggml::x86::gemv_repacked512 as GemvFn
+                } else if q4k_repacked(w) {
                     q4k_ggml::x86::gemv_repacked as GemvFn
                 } else {
                     kern(f)
@@ -611,16 +613,33 @@ fn matmul_q4k_ggml(
                     // SAFETY: AVX2+FMA+F16C checked by `isa`; rows r0..r0+nr and token t
                     // are in bounds, each (t, r) is written by exactly one task.
                     unsafe {
-                        q4k_ggml::x86::tile::<false, 1>(
-                            wp,
-                            rb,
-                            nr,
-                            nb,
-                            &a,
-                            1,
-                            dst.0.add(t * n_rows + r0),
-                            n_rows,
-                        )
+                        if isa == Isa::Avx512 {
+                            // one token: the gemv `tile` runs, compiled for AVX-512
+                            q4k_ggml::x86::gemv_repacked512(
+                                wp,
+                                rb,
+                                nr,
+                                nb,
+                                fmt::ActRow {
+                                    q: a[0],
+                                    d: std::ptr::null(),
+                                    s: std::ptr::null(),
+                                    isum: std::ptr::null(),
+                                },
+                                dst.0.add(t * n_rows + r0),
+                            )
+                        } else {
+                            q4k_ggml::x86::tile::<false, 1>(
+                                wp,
+                                rb,
+                                nr,
+                                nb,
+                                &a,
+                                1,
+                                dst.0.add(t * n_rows + r0),
+                                n_rows,
+                            )
+                        }
                     };
                 }
                 r0 += nr;
@@ -824,7 +843,7 @@ pub(crate) type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut 
 #[cfg(target_arch = "x86_64")]
 fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
     let kern: GemvFn = if isa == Isa::Avx512 {
-        with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
+        with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k512 as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
     } else {
         with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
     };

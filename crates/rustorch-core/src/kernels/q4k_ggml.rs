@@ -545,6 +545,23 @@ pub(crate) mod x86 {
         gemv::<1>(w, rb, nrows, nb, &[a.q], 1, out, 0)
     }
 
+    /// [`gemv_repacked`] compiled for AVX-512: the same instructions' arithmetic, with 32
+    /// vector registers.
+    ///
+    /// # Safety
+    /// As [`gemv_repacked`], and AVX-512 F/BW/VL must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(crate) unsafe fn gemv_repacked512(
+        w: *const u8,
+        rb: usize,
+        nrows: usize,
+        nb: usize,
+        a: crate::kernels::fmt::ActRow,
+        out: *mut f32,
+    ) {
+        gemv::<1>(w, rb, nrows, nb, &[a.q], 1, out, 0)
+    }
+
     /// Blocks per chunk of [`gemv`]: the integer sums of 8 rows × this many blocks (× `T`
     /// activation rows) are kept on the stack between the integer and the float passes.
     const GEMV_CHUNK: usize = 32;
@@ -557,8 +574,9 @@ pub(crate) mod x86 {
     /// of each (row, block) are exact, so they are computed first, row by row, for a chunk
     /// of blocks, and the float steps then run block by block over the 8-row lanes in
     /// ggml's order.
+    /// (Inlined into its callers, compiled for AVX2 or AVX-512.)
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(always)]
     unsafe fn gemv<const T: usize>(
         w: *const u8,
         rb: usize,

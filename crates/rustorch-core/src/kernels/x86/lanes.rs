@@ -283,9 +283,26 @@ pub(crate) unsafe fn gemv<const F: u8>(
 ///
 /// # Safety
 /// As [`tile`]; `F` must be Q6_K.
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn tile_q6k<const T: usize>(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    acts: &[ActRow; T],
+    nt: usize,
+    out: *mut f32,
+    ostride: usize,
+) {
+    tile_q6k_body::<T>(w, rb, nrows, nb, acts, nt, out, ostride)
+}
+
+/// The body of [`tile_q6k`], inlined into callers compiled for AVX2 or for AVX-512 (the same
+/// instructions' arithmetic; the AVX-512 build has 32 vector registers).
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn tile_q6k_body<const T: usize>(
     w: *const u8,
     rb: usize,
     nrows: usize,
@@ -396,7 +413,23 @@ pub(crate) unsafe fn gemv_q6k(
     a: ActRow,
     out: *mut f32,
 ) {
-    tile_q6k::<1>(w, rb, nrows, nb, &[a], 1, out, 0);
+    tile_q6k_body::<1>(w, rb, nrows, nb, &[a], 1, out, 0);
+}
+
+/// [`gemv_q6k`] compiled for AVX-512 (same arithmetic, 32 vector registers).
+///
+/// # Safety
+/// As [`tile_q6k`], and AVX-512 F/BW/VL must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn gemv_q6k512(
+    w: *const u8,
+    rb: usize,
+    nrows: usize,
+    nb: usize,
+    a: ActRow,
+    out: *mut f32,
+) {
+    tile_q6k_body::<1>(w, rb, nrows, nb, &[a], 1, out, 0);
 }
 
 /// Two blocks' worth of [`lanes`] on AVX-512, before the conversion to f32: `x` holds two
