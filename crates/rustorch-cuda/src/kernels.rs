@@ -55,9 +55,10 @@ pub struct Arith {
     /// Programmatic dependent launch (`RUSTORCH_CUDA_PDL`: `0` off, `1` on, default on with
     /// the one-token products prefetching their weights into L2 before they wait).
     pub pdl: Pdl,
-    /// Timing only, results wrong (`RUSTORCH_CUDA_PROBE=nonorm,noqkv,noglu,noo,nodown,noout`):
-    /// one-row launches of that kind skipped (RMSNorm, the Q/K/V, gate/up, square,
-    /// wider-than-tall and output products), to measure what each costs in a decode step.
+    /// Timing only, results wrong (`RUSTORCH_CUDA_PROBE=nonorm,noattn,noqkv,noglu,noo,nodown,
+    /// noout`): one-row launches of that kind skipped (RMSNorm, attention with its rotation
+    /// and cache write, the Q/K/V, gate/up, square, wider-than-tall and output products), to
+    /// measure what each costs in a decode step.
     pub probe: u32,
 }
 
@@ -87,6 +88,7 @@ pub fn arith() -> Arith {
                 .split(',')
                 .map(|m| match m {
                     "nonorm" => 1,
+                    "noattn" => 2,
                     "noqkv" => 4,
                     "noglu" => 8,
                     "noo" => 16,
@@ -1170,6 +1172,9 @@ impl CudaDevice {
         );
         let (sc, cap, win) = (shape.scale, shape.softcap, shape.window);
         let grid = (nh as u32, n as u32, n_split as u32);
+        if arith().probe & 2 != 0 && n == 1 {
+            return Ok(());
+        }
         match rope {
             Some(ar) => self.launch(
                 &format!("attn_rope_{e}"),
