@@ -15,7 +15,9 @@
 // of 32) the output rows are also quantized into (aq, ads) for the product that follows, as
 // quantize_q8_1 does.
 
+#ifndef ATTN_WARPS
 #define ATTN_WARPS 4
+#endif
 
 // Elements lane*E .. lane*E+E-1 of an f16 row of hd values (0 past the end): one 4-, 8- or
 // 16-byte load when `vec` (hd and the row stride are multiples of E, rows aligned).

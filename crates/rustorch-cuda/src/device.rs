@@ -34,6 +34,10 @@ pub fn kernel_source() -> String {
         crate::kernels::Pdl::On => {}
         crate::kernels::Pdl::Prefetch => s.push_str("#define RT_PDL_PREFETCH\n"),
     }
+    let aw = crate::kernels::attn_warps();
+    if aw != 4 {
+        s.push_str(&format!("#define ATTN_WARPS {aw}\n"));
+    }
     // experimental variants for A/B runs on one build: `RUSTORCH_CUDA_DEFS=NAME[=VALUE],...`
     // prepends `#define NAME VALUE` (part of the source, so of the module cache's key)
     if let Ok(defs) = std::env::var("RUSTORCH_CUDA_DEFS") {

@@ -318,11 +318,32 @@ fn threads_per_row(items: usize) -> usize {
 /// 128 cells per split for long contexts (each warp walks its cells one after another), but
 /// no split under 64 cells and at most 64 splits (the merge reads every split).
 pub fn auto_splits(multiprocessors: usize, heads_x_rows: usize, max_cells: usize) -> usize {
+    // (cells per split scale with the warps of an attention block)
+    let w = attn_warps();
     let fill = (2 * multiprocessors).div_ceil(heads_x_rows.max(1));
-    let long = max_cells.div_ceil(128);
+    let long = max_cells.div_ceil(32 * w);
     fill.max(long)
-        .clamp(1, max_cells.div_ceil(64).max(1))
+        .clamp(1, max_cells.div_ceil(16 * w).max(1))
         .min(64)
+}
+
+/// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 16, or
+/// `RUSTORCH_CUDA_ATTN_WARPS` (1 to 32); 4 with the persistent kernel, whose blocks have 4.
+/// (On an H100, TinyLlama shape, tg128: 4 warps Q4_0 1035/1084 t/s, F16 648/646; 16 warps
+/// 1195/1114 and 694/694; 32 warps 1203/1231 and 669/669: a head's cells walked by more
+/// warps at once.)
+pub fn attn_warps() -> usize {
+    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        if arith().mega {
+            return 4;
+        }
+        std::env::var("RUSTORCH_CUDA_ATTN_WARPS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|w| (1..=32).contains(w))
+            .unwrap_or(16)
+    })
 }
 
 impl CudaDevice {
@@ -1179,7 +1200,7 @@ impl CudaDevice {
             Some(ar) => self.launch(
                 &format!("attn_rope_{e}"),
                 grid,
-                128,
+                (attn_warps() * 32) as u32,
                 &[
                     &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap,
                     &win, &ns, &aq, &ads, &quant, &cpu, ar,
@@ -1188,7 +1209,7 @@ impl CudaDevice {
             None => self.launch(
                 &format!("attn_split_{e}"),
                 grid,
-                128,
+                (attn_warps() * 32) as u32,
                 &[
                     &qp, &rows, &pool_k, &pool_v, &pp, &op, &nhi, &nkv, &hdi, &kvs, &sc, &cap,
                     &win, &ns, &aq, &ads, &quant, &cpu,
