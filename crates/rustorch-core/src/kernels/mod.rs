@@ -351,13 +351,6 @@ fn matmul_fused(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let kern = |f: u8| -> GemvFn {
-            if isa == Isa::Avx512 {
-                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k512 as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
-            } else {
-                with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
-            }
-        };
         struct Job {
             kern: GemvFn,
             base: usize,
@@ -386,12 +379,10 @@ fn matmul_fused(
                 groups.div_ceil(per)
             };
             jobs.push(Job {
-                kern: if q4k_repacked(w) && isa == Isa::Avx512 {
-                    q4k_ggml::x86::gemv_repacked512 as GemvFn
-                } else if q4k_repacked(w) {
-                    q4k_ggml::x86::gemv_repacked as GemvFn
+                kern: if q4k_repacked(w) {
+                    q4k_gemv_kern(isa)
                 } else {
-                    kern(f)
+                    gemv_kern(isa, f)
                 },
                 base: w.data.as_ptr() as usize,
                 rb: w.row_bytes(),
@@ -586,7 +577,6 @@ fn matmul_q4k_ggml(
         }
     });
     let n_rows = w.n_rows;
-    let dst = SendPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     if matches!(isa, Isa::Avx2 | Isa::Avx512) && n_gemm > 0 {
         x86_q4k_panels(pool, w, &acts, n_tok, n_gemm, out, isa == Isa::Avx512);
@@ -598,49 +588,24 @@ fn matmul_q4k_ggml(
         // inside a task, blocks of 64 rows against each token
         let rb = w.row_bytes();
         let nb = n_cols / 256;
-        let (n_tasks, per) = split(pool, n_rows.div_ceil(8), 2);
-        pool.run(n_tasks, &|task| {
-            #[allow(clippy::redundant_locals)]
-            // capture the whole Send wrapper, not its raw-pointer field
-            let dst = dst;
-            let end = ((task + 1) * per * 8).min(n_rows);
-            let mut r0 = task * per * 8;
+        let kern = q4k_gemv_kern(isa);
+        run_row_groups(pool, n_rows, 8, 2, out, &|gs, dst| {
+            let end = (gs.end * 8).min(n_rows);
+            let mut r0 = gs.start * 8;
             while r0 < end {
                 let nr = (end - r0).min(64);
                 let wp = w.data[r0 * rb..(r0 + nr) * rb].as_ptr();
                 for t in n_gemm..n_tok {
-                    let a = [acts[t * arb..].as_ptr()];
-                    // SAFETY: AVX2+FMA+F16C checked by `isa`; rows r0..r0+nr and token t
-                    // are in bounds, each (t, r) is written by exactly one task.
-                    unsafe {
-                        if isa == Isa::Avx512 {
-                            // one token: the gemv `tile` runs, compiled for AVX-512
-                            q4k_ggml::x86::gemv_repacked512(
-                                wp,
-                                rb,
-                                nr,
-                                nb,
-                                fmt::ActRow {
-                                    q: a[0],
-                                    d: std::ptr::null(),
-                                    s: std::ptr::null(),
-                                    isum: std::ptr::null(),
-                                },
-                                dst.0.add(t * n_rows + r0),
-                            )
-                        } else {
-                            q4k_ggml::x86::tile::<false, 1>(
-                                wp,
-                                rb,
-                                nr,
-                                nb,
-                                &a,
-                                1,
-                                dst.0.add(t * n_rows + r0),
-                                n_rows,
-                            )
-                        }
+                    let a = ActRow {
+                        q: acts[t * arb..].as_ptr(),
+                        d: std::ptr::null(),
+                        s: std::ptr::null(),
+                        isum: std::ptr::null(),
                     };
+                    // SAFETY: AVX2+FMA+F16C (and AVX-512 for its kernel) checked by `isa`;
+                    // rows r0..r0+nr and token t are in bounds, each (t, r) is written by
+                    // exactly one task.
+                    unsafe { kern(wp, rb, nr, nb, a, dst.add(t * n_rows + r0)) };
                 }
                 r0 += nr;
             }
@@ -841,25 +806,37 @@ fn matmul_dequant(
 pub(crate) type GemvFn = unsafe fn(*const u8, usize, usize, usize, ActRow, *mut f32);
 
 #[cfg(target_arch = "x86_64")]
-fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
-    let kern: GemvFn = if isa == Isa::Avx512 {
+/// The one-token kernel of format `f` (GGUF layout, `fmt`'s gemv order) at level `isa`.
+#[cfg(target_arch = "x86_64")]
+fn gemv_kern(isa: Isa, f: u8) -> GemvFn {
+    if isa == Isa::Avx512 {
         with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k512 as GemvFn } else if fmt::is_k(F) { x86::avx512::gemv_k::<F> } else if F == fmt::IQ4_NL { x86::lanes::gemv::<F> } else { x86::lanes::gemv512::<F> })
     } else {
         with_fmt!(f, F => if F == fmt::Q6_K { x86::lanes::gemv_q6k as GemvFn } else if fmt::is_k(F) { x86::avx2::gemv_k::<F> } else { x86::lanes::gemv::<F> })
-    };
+    }
+}
+
+/// The one-token kernel of the Q4_K matrices llama.cpp repacks (ggml's gemv order) at level
+/// `isa` (AVX2 or AVX-512).
+#[cfg(target_arch = "x86_64")]
+fn q4k_gemv_kern(isa: Isa) -> GemvFn {
+    if isa == Isa::Avx512 {
+        q4k_ggml::x86::gemv_repacked512
+    } else {
+        q4k_ggml::x86::gemv_repacked
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out: &mut [f32]) {
+    let kern = gemv_kern(isa, f);
     let n_rows = w.n_rows;
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
     let nb = w.n_cols / fmt::block_len(f);
-    let groups = n_rows.div_ceil(8);
-    let (n_tasks, per) = split(pool, groups, 2);
-    let dst = SendPtr(out.as_mut_ptr());
-    pool.run(n_tasks, &|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the whole Send wrapper, not its raw-pointer field
-        let dst = dst;
+    run_row_groups(pool, n_rows, 8, 2, out, &|gs, dst| {
         let base = w.data.as_ptr();
-        for g in task * per..((task + 1) * per).min(groups) {
+        for g in gs.clone() {
             let r0 = 8 * g;
             let nr = (n_rows - r0).min(8);
             for t in 0..n_tok {
@@ -871,7 +848,7 @@ fn x86_gemv(pool: &ThreadPool, isa: Isa, f: u8, w: &QMatrix<'_>, qa: &QActs, out
                         nr,
                         nb,
                         act_row(qa, t),
-                        dst.0.add(t * n_rows + r0),
+                        dst.add(t * n_rows + r0),
                     )
                 };
             }
@@ -976,7 +953,7 @@ fn run_tiles_unpacked<const F: u8>(
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
     let nb = w.n_cols / fmt::block_len(F);
-    run_row_groups16(pool, n_rows, out, &|gs, dst| {
+    run_row_groups(pool, n_rows, 16, 1, out, &|gs, dst| {
         let base = w.data.as_ptr();
         UNPACKED.with(|buf| {
             let mut buf = buf.borrow_mut();
@@ -1116,18 +1093,21 @@ fn run_tiles512<const F: u8>(pool: &ThreadPool, w: &QMatrix<'_>, qa: &QActs, out
     });
 }
 
-/// Splits the 16-row groups of `n_rows` output rows over the pool: each task gets `body`
-/// with its contiguous range of groups and the base of `out` (rows of `n_rows` per token),
-/// whose columns of those rows it alone writes.
+/// Splits the groups of `group` rows of `n_rows` output rows over the pool (at least
+/// `min_per` groups a task): each task gets `body` with its contiguous range of groups and
+/// the base of `out` (rows of `n_rows` per token), whose columns of those rows it alone
+/// writes.
 #[cfg(target_arch = "x86_64")]
-fn run_row_groups16(
+fn run_row_groups(
     pool: &ThreadPool,
     n_rows: usize,
+    group: usize,
+    min_per: usize,
     out: &mut [f32],
     body: &(dyn Fn(std::ops::Range<usize>, *mut f32) + Sync),
 ) {
-    let groups = n_rows.div_ceil(16);
-    let (n_tasks, per) = split(pool, groups, 1);
+    let groups = n_rows.div_ceil(group);
+    let (n_tasks, per) = split(pool, groups, min_per);
     let dst = SendPtr(out.as_mut_ptr());
     pool.run(n_tasks, &|task| {
         #[allow(clippy::redundant_locals)]
@@ -1152,7 +1132,7 @@ fn run_tiles<const T: usize>(
     let n_tok = qa.n_rows;
     let rb = w.row_bytes();
     let nb = w.n_cols / fmt::block_len(f);
-    run_row_groups16(pool, n_rows, out, &|gs, dst| {
+    run_row_groups(pool, n_rows, 16, 1, out, &|gs, dst| {
         let base = w.data.as_ptr();
         for g in gs {
             let r0 = 16 * g;
