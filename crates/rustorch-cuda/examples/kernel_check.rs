@@ -738,8 +738,13 @@ impl Harness {
                         .expect("attention");
                 }
             });
-            let splits =
-                rustorch_cuda::kernels::auto_splits(self.dev.info.multiprocessors, nh, n_cells);
+            let e = [2, 4, 8].into_iter().find(|&e| hd <= 32 * e).unwrap_or(8);
+            let splits = rustorch_cuda::kernels::auto_splits(
+                self.dev.info.multiprocessors,
+                nh,
+                n_cells,
+                rustorch_cuda::kernels::attn_per_pass(e),
+            );
             let bytes = 2.0 * (n_cells * kvd * 2) as f64;
             println!(
                 "{:>8} {:>8} {:>10.1} {:>8.0}",

@@ -8,48 +8,17 @@
 // cell is visible when min_pos <= pos <= max_pos, min_pos = max_pos + 1 - window (0 when
 // window is 0 or reaches past position 0).
 //
-// The cells of a row are split into n_split contiguous ranges (grid z); each block of 4
-// warps walks its range (warp w takes cells w, w + 4, ...) keeping a running max m, sum s
-// and unnormalized output. With one split the block writes the output; otherwise it writes
-// (acc[hd], m, s) to `part` and attn_combine merges the splits. With `quant` (hd a multiple
-// of 32) the output rows are also quantized into (aq, ads) for the product that follows, as
+// The cells of a row are split into n_split contiguous ranges (grid z); each block of
+// ATTN_WARPS warps walks its range in passes of ATTN_WARPS * G cells loaded at once (G
+// cells per warp, see attn_split), keeping running maxima m, sums s and unnormalized
+// outputs. With one split the block writes the output; otherwise it writes (acc[hd], m, s)
+// to `part` and attn_combine merges the splits. With `quant` (hd a multiple of 32) the
+// output rows are also quantized into (aq, ads) for the product that follows, as
 // quantize_q8_1 does.
 
 #ifndef ATTN_WARPS
 #define ATTN_WARPS 4
 #endif
-
-// Elements lane*E .. lane*E+E-1 of an f16 row of hd values (0 past the end): one 4-, 8- or
-// 16-byte load when `vec` (hd and the row stride are multiples of E, rows aligned).
-template <int E>
-__device__ __forceinline__ void load_halves(const u16 *row, int lane, int hd, bool vec,
-                                            float (&out)[E]) {
-    const int i0 = lane * E;
-    if (vec && i0 < hd) {
-        u32 w[E / 2];
-        if (E == 2) {
-            w[0] = *(const u32 *)(row + i0);
-        } else if (E == 4) {
-            uint2 x = *(const uint2 *)(row + i0);
-            w[0] = x.x;
-            w[1 % (E / 2)] = x.y;
-        } else {
-            uint4 x = *(const uint4 *)(row + i0);
-            w[0] = x.x;
-            w[1 % (E / 2)] = x.y;
-            w[2 % (E / 2)] = x.z;
-            w[3 % (E / 2)] = x.w;
-        }
-#pragma unroll
-        for (int j = 0; j < E / 2; j++) {
-            out[2 * j] = h2f((u16)(w[j] & 0xffff));
-            out[2 * j + 1] = h2f((u16)(w[j] >> 16));
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; e++) out[e] = i0 + e < hd ? h2f(row[i0 + e]) : 0.0f;
-    }
-}
 
 // Rotates the head a warp holds (lane's elements lane*E .. lane*E+E-1) by one row's RoPE
 // angles (cs/sn: n_rot / 2 per row), with rope_kv_write's arithmetic: pairs (2i, 2i + 1), or
@@ -91,9 +60,11 @@ __device__ __forceinline__ void rope_lane(float (&x)[E], int lane, const float *
 
 // ROPE (one query row, t = 0): q and the row's new k arrive unrotated, with k and v not yet
 // in the cache (the work of rope_kv_write, done here): each block rotates its query head
-// and its KV head's new key itself, the first query head of each KV head (split 0) stores
-// the new key and value in slot new_slot[0], and every block takes that cell's key and value
-// from its registers (rounded to f16, as stored) instead of the cache.
+// and its KV head's new key itself (warp 0, into shared memory), the first query head of
+// each KV head (split 0) stores the new key and value in slot new_slot[0], and every block
+// takes that cell's key and value from shared memory (rounded to f16, as stored) instead
+// of the cache. The other cells, the descriptors and new_slot were all written before
+// this step's kernels, so a ROPE block loads its first cells before the PDL wait.
 struct AttnRope {
     const float *k, *v, *cs, *sn;
     u16 *K, *V;  // the cache, writable
@@ -101,6 +72,35 @@ struct AttnRope {
     int n_rot, neox;
 };
 
+// A lane's 8 halves i0 .. i0+7 of an f16 row (0 past hd): one 16-byte load when `vec`
+// (hd and the row stride multiples of 8, rows 16-byte aligned).
+__device__ __forceinline__ uint4 load8h(const u16 *row, int i0, int hd, bool vec) {
+    if (vec) return i0 < hd ? *(const uint4 *)(row + i0) : make_uint4(0, 0, 0, 0);
+    u32 w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int i = i0 + 2 * k;
+        const u32 lo = i < hd ? row[i] : 0, hi = i + 1 < hd ? row[i + 1] : 0;
+        w[k] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ void unpack8h(uint4 x, float (&f)[8]) {
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        f[2 * j] = h2f((u16)(w[j] & 0xffff));
+        f[2 * j + 1] = h2f((u16)(w[j] >> 16));
+    }
+}
+
+// Block (head h, row t, split sp) over the split's cells. A cell's key and value are read
+// by LPC = 4E lanes, 8 halves each, so a warp takes G = 32 / LPC cells at once and the
+// block ATTN_WARPS * G: every cell of a pass is loaded at the same time (the next pass's
+// loads are issued before the current pass is used). Each lane group keeps a running max
+// m, sum s and unnormalized output for its cells; the groups of a warp merge by shuffles,
+// the warps through shared memory.
 template <int E, bool ROPE>
 __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u64 *__restrict__ rows,
                                            const u16 *__restrict__ K, const u16 *__restrict__ V,
@@ -109,10 +109,15 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                                            float scale, float softcap, u32 window, int n_split,
                                            i8 *__restrict__ aq, float2 *__restrict__ ads,
                                            int quant, int cpu, const AttnRope &ar) {
+    constexpr int LPC = 4 * E, G = 32 / LPC, HD = 32 * E, STEP = ATTN_WARPS * G;
     __shared__ float sm_m[ATTN_WARPS], sm_s[ATTN_WARPS];
-    __shared__ float sm_acc[ATTN_WARPS][E * 32];
+    __shared__ float sm_acc[ATTN_WARPS][HD];
+    __shared__ float sm_q[HD];
+    __shared__ __align__(16) u16 sm_kn[HD], sm_vn[HD];
+    if (!ROPE) PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane / LPC, i0 = (lane % LPC) * 8;
     const u64 *r = rows + 3 * (size_t)t;
     const u32 *SL = (const u32 *)r[0];
     const u32 *P = (const u32 *)r[1];
@@ -123,120 +128,135 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
     const int chunk = (nc + n_split - 1) / n_split;
     const int c0 = sp * chunk;
     const int c1 = min(nc, c0 + chunk);
+    const bool vec = (hd % 8) == 0 && (kv_stride % 8) == 0;
+    const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
+    const size_t jnew = ROPE ? (size_t)ar.new_slot[0] : ~(size_t)0;
 
-    // lane holds elements lane*E .. lane*E+E-1 of the head (contiguous: one vector load
-    // per row when the rows are aligned for it)
-    const bool vec = (hd % E) == 0 && (kv_stride % E) == 0;
-    // the query rounded to f16, as the CPU's f16 K.Q product takes it
-    float qr[E];
-    const float *qh = q + ((size_t)t * n_head + h) * hd;
-#pragma unroll
-    for (int e = 0; e < E; e++) {
-        const int i = lane * E + e;
-        qr[e] = i < hd ? qh[i] : 0.0f;
-    }
-    float knew[E], vnew[E];
-    size_t jnew = ~(size_t)0;
-    if (ROPE) {
-        rope_lane<E>(qr, lane, ar.cs, ar.sn, ar.n_rot, ar.neox);
-        jnew = ar.new_slot[0];
-        const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            const int i = lane * E + e;
-            knew[e] = i < hd ? kh[i] : 0.0f;
-            vnew[e] = i < hd ? vh[i] : 0.0f;
-        }
-        rope_lane<E>(knew, lane, ar.cs, ar.sn, ar.n_rot, ar.neox);
-        const bool store = sp == 0 && warp == 0 && h % (n_head / n_head_kv) == 0;
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            const int i = lane * E + e;
-            const u16 kb = f2h(knew[e]), vb = f2h(vnew[e]);
-            if (store && i < hd) {
-                ar.K[jnew * kv_stride + (size_t)kvh * hd + i] = kb;
-                ar.V[jnew * kv_stride + (size_t)kvh * hd + i] = vb;
-            }
-            knew[e] = h2f(kb);
-            vnew[e] = h2f(vb);
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < E; e++) qr[e] = h2f(f2h(qr[e]));
-    float m = NEG_INF, s = 0.0f, acc[E];
-#pragma unroll
-    for (int e = 0; e < E; e++) acc[e] = 0.0f;
-
-    // software-pipelined walk: the next cell's position, key and value are loaded before
-    // the current cell is used (keys and values of invisible cells are loaded and dropped)
-    int c = c0 + warp;
-    bool have = c < c1;
+    // this lane group's first cell (with ROPE, before the wait)
+    int c = c0 + warp * G + g;
+    bool have = c < c1, isnew = false;
     u32 p = 0;
-    float kf[E], vf[E];
+    uint4 kr = make_uint4(0, 0, 0, 0), vr = kr;
     if (have) {
         p = P[c];
         const size_t j = SL ? SL[c] : (u32)c;
-        if (ROPE && j == jnew) {
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                kf[e] = knew[e];
-                vf[e] = vnew[e];
-            }
-        } else {
-            load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kf);
-            load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vf);
+        isnew = j == jnew;
+        if (!isnew) {
+            kr = load8h(Kh + j * kv_stride, i0, hd, vec);
+            vr = load8h(Vh + j * kv_stride, i0, hd, vec);
         }
     }
-    while (have) {
-        const int cn = c + ATTN_WARPS;
+    float q8[8];
+    if (ROPE) {
+        PDL_ENTRY();
+        if (warp == 0) {
+            float qr[E], kn[E], vn[E];
+            const float *qh = q + ((size_t)t * n_head + h) * hd;
+            const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int i = lane * E + e;
+                qr[e] = i < hd ? qh[i] : 0.0f;
+                kn[e] = i < hd ? kh[i] : 0.0f;
+                vn[e] = i < hd ? vh[i] : 0.0f;
+            }
+            rope_lane<E>(qr, lane, ar.cs, ar.sn, ar.n_rot, ar.neox);
+            rope_lane<E>(kn, lane, ar.cs, ar.sn, ar.n_rot, ar.neox);
+            const bool store = sp == 0 && h % (n_head / n_head_kv) == 0;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int i = lane * E + e;
+                const u16 kb = f2h(kn[e]), vb = f2h(vn[e]);
+                if (store && i < hd) {
+                    ar.K[jnew * kv_stride + (size_t)kvh * hd + i] = kb;
+                    ar.V[jnew * kv_stride + (size_t)kvh * hd + i] = vb;
+                }
+                sm_q[i] = i < hd ? h2f(f2h(qr[e])) : 0.0f;
+                sm_kn[i] = i < hd ? kb : (u16)0;
+                sm_vn[i] = i < hd ? vb : (u16)0;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 8; e++) q8[e] = sm_q[i0 + e];
+    } else {
+        // the query rounded to f16, as the CPU's f16 K.Q product takes it
+        const float *qh = q + ((size_t)t * n_head + h) * hd;
+#pragma unroll
+        for (int e = 0; e < 8; e++) q8[e] = i0 + e < hd ? h2f(f2h(qh[i0 + e])) : 0.0f;
+    }
+
+    float m = NEG_INF, s = 0.0f, acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+    // the loop runs while the warp has a cell (shuffles need the whole warp)
+    for (int cw = c0 + warp * G; cw < c1; cw += STEP) {
+        const int cn = c + STEP;
         const bool hn = cn < c1;
+        bool nnew = false;
         u32 pn = 0;
-        float kn[E], vn[E];
+        uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
         if (hn) {
             pn = P[cn];
             const size_t j = SL ? SL[cn] : (u32)cn;
-            if (ROPE && j == jnew) {
-#pragma unroll
-                for (int e = 0; e < E; e++) {
-                    kn[e] = knew[e];
-                    vn[e] = vnew[e];
-                }
-            } else {
-                load_halves<E>(K + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, kn);
-                load_halves<E>(V + j * kv_stride + (size_t)kvh * hd, lane, hd, vec, vn);
+            nnew = j == jnew;
+            if (!nnew) {
+                kn = load8h(Kh + j * kv_stride, i0, hd, vec);
+                vn = load8h(Vh + j * kv_stride, i0, hd, vec);
             }
         }
-        if (p <= max_pos && p >= min_pos) {
-            float dot = 0.0f;
+        if (ROPE && isnew) {
+            kr = *(const uint4 *)(sm_kn + i0);
+            vr = *(const uint4 *)(sm_vn + i0);
+        }
+        float f[8];
+        unpack8h(kr, f);
+        float dot = 0.0f;
 #pragma unroll
-            for (int e = 0; e < E; e++) dot += qr[e] * kf[e];
-            dot = warp_sum(dot);
+        for (int e = 0; e < 8; e++) dot = __fmaf_rn(q8[e], f[e], dot);
+#pragma unroll
+        for (int o = LPC / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+        if (have && p <= max_pos && p >= min_pos) {
             float sc = dot * scale;
             if (softcap != 0.0f) sc = softcap * tanhf(sc / softcap);
             const float mn = fmaxf(m, sc);
             const float corr = expf(m - mn);
             const float pw = expf(sc - mn);
             s = s * corr + pw;
+            unpack8h(vr, f);
 #pragma unroll
-            for (int e = 0; e < E; e++) acc[e] = acc[e] * corr + pw * vf[e];
+            for (int e = 0; e < 8; e++) acc[e] = acc[e] * corr + pw * f[e];
             m = mn;
         }
         c = cn;
         have = hn;
+        isnew = nnew;
         p = pn;
+        kr = kn;
+        vr = vn;
+    }
+    // the warp's lane groups merged
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            kf[e] = kn[e];
-            vf[e] = vn[e];
-        }
+    for (int o = LPC; o < 32; o <<= 1) {
+        const float mo = __shfl_xor_sync(FULL_MASK, m, o);
+        const float so = __shfl_xor_sync(FULL_MASK, s, o);
+        const float M = fmaxf(m, mo);
+        const float wa = s > 0.0f ? expf(m - M) : 0.0f;
+        const float wb = so > 0.0f ? expf(mo - M) : 0.0f;
+        s = s * wa + so * wb;
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[e] = acc[e] * wa + __shfl_xor_sync(FULL_MASK, acc[e], o) * wb;
+        m = M;
     }
 
     if (lane == 0) {
         sm_m[warp] = m;
         sm_s[warp] = s;
     }
+    if (g == 0) {
 #pragma unroll
-    for (int e = 0; e < E; e++) sm_acc[warp][lane * E + e] = acc[e];
+        for (int e = 0; e < 8; e++) sm_acc[warp][i0 + e] = acc[e];
+    }
     __syncthreads();
 
     float M = NEG_INF;
@@ -281,7 +301,6 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                        float *part, float *out, int n_head, int n_head_kv, int hd,           \
                        int kv_stride, float scale, float softcap, u32 window, int n_split,   \
                        i8 *aq, float2 *ads, int quant, int cpu) {                            \
-        PDL_ENTRY();                                                                         \
         const AttnRope none = {};                                                            \
         attn_split<E, false>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride,     \
                              scale, softcap, window, n_split, aq, ads, quant, cpu, none);    \
@@ -291,7 +310,6 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                       float *part, float *out, int n_head, int n_head_kv, int hd,            \
                       int kv_stride, float scale, float softcap, u32 window, int n_split,    \
                       i8 *aq, float2 *ads, int quant, int cpu, AttnRope ar) {                \
-        PDL_ENTRY();                                                                         \
         attn_split<E, true>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride,      \
                             scale, softcap, window, n_split, aq, ads, quant, cpu, ar);       \
     }

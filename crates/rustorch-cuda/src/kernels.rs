@@ -314,24 +314,35 @@ fn threads_per_row(items: usize) -> usize {
     }
 }
 
-/// Sequence splits for attention: enough blocks for two per multiprocessor, and at most
-/// 128 cells per split for long contexts (each warp walks its cells one after another), but
-/// no split under 64 cells and at most 64 splits (the merge reads every split).
-pub fn auto_splits(multiprocessors: usize, heads_x_rows: usize, max_cells: usize) -> usize {
-    // (cells per split scale with the warps of an attention block)
-    let w = attn_warps();
+/// Sequence splits for attention: enough blocks for two per multiprocessor, and at most 8
+/// passes per split for long contexts (a block loads `per_pass` cells at once, see
+/// [`attn_per_pass`]), but no split under 4 passes and at most 64 splits (the merge reads
+/// every split).
+pub fn auto_splits(
+    multiprocessors: usize,
+    heads_x_rows: usize,
+    max_cells: usize,
+    per_pass: usize,
+) -> usize {
     let fill = (2 * multiprocessors).div_ceil(heads_x_rows.max(1));
-    let long = max_cells.div_ceil(32 * w);
+    let long = max_cells.div_ceil(8 * per_pass);
     fill.max(long)
-        .clamp(1, max_cells.div_ceil(16 * w).max(1))
+        .clamp(1, max_cells.div_ceil(4 * per_pass).max(1))
         .min(64)
 }
 
-/// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 16, or
+/// Cells an attention block loads at once for heads of at most `32 * e` values: every warp
+/// takes 8 / e cells (4e lanes read a cell's 8-value slices).
+pub fn attn_per_pass(e: usize) -> usize {
+    attn_warps() * (8 / e).max(1)
+}
+
+/// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 8, or
 /// `RUSTORCH_CUDA_ATTN_WARPS` (1 to 32); 4 with the persistent kernel, whose blocks have 4.
-/// (On an H100, TinyLlama shape, tg128: 4 warps Q4_0 1035/1084 t/s, F16 648/646; 16 warps
-/// 1195/1114 and 694/694; 32 warps 1203/1231 and 669/669: a head's cells walked by more
-/// warps at once.)
+/// (On an H100, TinyLlama shape, a block loading 8 / e cells per warp at once, tg128 t/s,
+/// two rounds: 2 warps Q4_0 1294/1305, F16 732/726; 4 warps 1347/1349, 727/744; 8 warps
+/// 1377/1386, 768/757; 16 warps 1335/1333, 717/712; tg512 Q4_0 with 4 / 8 / 16 warps
+/// 1268 / 1303 / 1218.)
 pub fn attn_warps() -> usize {
     static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *W.get_or_init(|| {
@@ -342,7 +353,7 @@ pub fn attn_warps() -> usize {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|w| (1..=32).contains(w))
-            .unwrap_or(16)
+            .unwrap_or(8)
     })
 }
 
@@ -1167,7 +1178,7 @@ impl CudaDevice {
         }
         let n_split = match split {
             Some(k) => k.max(1),
-            None => auto_splits(self.info.multiprocessors, n * nh, max_cells),
+            None => auto_splits(self.info.multiprocessors, n * nh, max_cells, attn_per_pass(e)),
         };
         if n_split > 1 {
             s.part.resize(self, n * nh * n_split * (hd + 2))?;
