@@ -301,6 +301,7 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                        float *part, float *out, int n_head, int n_head_kv, int hd,           \
                        int kv_stride, float scale, float softcap, u32 window, int n_split,   \
                        i8 *aq, float2 *ads, int quant, int cpu) {                            \
+        PDL_ENTRY_INSIDE();                                                                  \
         const AttnRope none = {};                                                            \
         attn_split<E, false>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride,     \
                              scale, softcap, window, n_split, aq, ads, quant, cpu, none);    \
@@ -310,6 +311,7 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
                       float *part, float *out, int n_head, int n_head_kv, int hd,            \
                       int kv_stride, float scale, float softcap, u32 window, int n_split,    \
                       i8 *aq, float2 *ads, int quant, int cpu, AttnRope ar) {                \
+        PDL_ENTRY_INSIDE();                                                                  \
         attn_split<E, true>(q, rows, K, V, part, out, n_head, n_head_kv, hd, kv_stride,      \
                             scale, softcap, window, n_split, aq, ads, quant, cpu, ar);       \
     }

@@ -445,10 +445,9 @@ __device__ __forceinline__ float *job_out(const MmvJob &j, int m) {
     return m == 0 ? j.out[0] : m == 1 ? j.out[1] : j.out[2];
 }
 
-// The row of a one-token product's warp (a warp per row): row `wi` of matrix `m`, rows counted
-// matrix after matrix (with `glu`, row `wi` of both). False when the warp has none.
-__device__ __forceinline__ bool job_warp_row(const MmvJob &j, int &m, int &wi) {
-    wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+// Row `wi` of a one-token product counted matrix after matrix (with `glu`, row `wi` of
+// both): which matrix `m`, and `wi` within it. False past the last row.
+__device__ __forceinline__ bool job_row(const MmvJob &j, int &m, int &wi) {
     m = 0;
     if (!j.glu) {
         for (; m < j.n - 1; m++) {
@@ -457,6 +456,12 @@ __device__ __forceinline__ bool job_warp_row(const MmvJob &j, int &m, int &wi) {
         }
     }
     return wi < job_rows(j, m);
+}
+
+// The row of a one-token product's warp (a warp per row), as job_row.
+__device__ __forceinline__ bool job_warp_row(const MmvJob &j, int &m, int &wi) {
+    wi = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+    return job_row(j, m, wi);
 }
 
 // The gated activation of gate value x and up value u: glu 1 = SiLU, 2 = ggml's tanh GELU.
@@ -509,14 +514,71 @@ __device__ __forceinline__ void mmvq(const MmvJob &j, const i8 *__restrict__ aq,
 // barrier). Rows are mapped as in `mmvq`; with `glu` the warp computes the gate and up rows.
 // (Staging each 32-group chunk through shared memory with 16-byte loads was slower on an
 // H100: fewer loads in flight per warp.)
+// Largest block of the one-token float job kernels (mmv1j_*: MMV_THREADS, or more where
+// each block computes a folded norm).
+#define MMV1J_MAX_THREADS 512
+
+// One-token float products with S warps per row (S = 1, 2 or 4, consecutive warps of a
+// block): the parts' sums added in part order through shared memory; true in part 0.
+__device__ __forceinline__ bool split_sum2(float2 &v, int S) {
+    if (S == 1) return true;
+    __shared__ float2 sm_split[32];
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) sm_split[warp] = v;
+    __syncthreads();
+    if (warp % S != 0) return false;
+    float2 r = sm_split[warp];
+    for (int k = 1; k < S; k++) {
+        r.x += sm_split[warp + k].x;
+        r.y += sm_split[warp + k].y;
+    }
+    v = r;
+    return true;
+}
+
+// With MMV_PF_BYTES > 0 (and RT_PDL_PREFETCH), before a one-token float product waits for
+// the kernel before it, the first warp of each row asks L2 for the row's first
+// MMV_PF_BYTES bytes (both rows with `glu`), so the first loads after the wait hit L2.
+// (H100, F16 TinyLlama shape, tg128: none 789/802 t/s, 1024 bytes 828/843, 4096 bytes 783,
+// whole rows 769/759: whole rows are what session 10 found slower.)
+#ifndef MMV_PF_BYTES
+#define MMV_PF_BYTES 1024
+#endif
+__device__ __forceinline__ void mmv_pf_row(const u8 *w, size_t rb) {
+#if defined(RT_PDL_PREFETCH) && MMV_PF_BYTES > 0
+    pdl_prefetch(w, min(rb, (size_t)MMV_PF_BYTES), threadIdx.x & 31, 32);
+#endif
+}
+
+template <int TY>
+__device__ __forceinline__ void mmv1_prefetch(const u8 *W, int n_rows, int n_cols, int S) {
+    const int gw = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+    const size_t rb = (size_t)n_cols * (TY == 0 ? 4 : 2);
+    if (gw % S == 0 && gw / S < n_rows) mmv_pf_row(W + (size_t)(gw / S) * rb, rb);
+}
+
+template <int TY>
+__device__ __forceinline__ void mmv1j_prefetch(const MmvJob &j, int n_cols, int S) {
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int m, wi = gw / S;
+    if (gw % S != 0 || !job_row(j, m, wi)) return;
+    const size_t rb = (size_t)n_cols * (TY == 0 ? 4 : 2);
+    mmv_pf_row(job_w(j, m) + (size_t)wi * rb, rb);
+    if (j.glu) mmv_pf_row(j.w[1] + (size_t)wi * rb, rb);
+}
+
+// With `acc` the row's value is also added into acc[row] (a residual add folded into the
+// product that feeds it; each row is one warp's, so no two warps touch one value).
 template <class F>
 __device__ __forceinline__ float mmvq_row1(const u8 *__restrict__ wr, const i8 *__restrict__ aq,
-                                           const float2 *__restrict__ ads, int ng) {
+                                           const float2 *__restrict__ ads, int ng, int part = 0,
+                                           int S = 1) {
     const int lane = threadIdx.x & 31;
     const int gpb = F::QK / 32;
     float acc = 0.0f;
+    // (part of S: the lane's groups part * 32 + lane, then every 32 * S)
 #pragma unroll 4
-    for (int gi = lane; gi < ng; gi += 32) {
+    for (int gi = part * 32 + lane; gi < ng; gi += 32 * S) {
         Group w;
         F::decode(wr + (size_t)(gi / gpb) * F::BYTES, gi % gpb, w);
         const int4 *a = (const int4 *)aq + 2 * gi;
@@ -555,25 +617,41 @@ __device__ __forceinline__ float2 mmvq_row1x2(const u8 *__restrict__ w0, const u
 // PDL_ENTRY), each warp asks L2 for its rows' weights, which no kernel writes: the weights
 // stream in while the previous kernel finishes. (The float products do not: on an H100
 // prefetching F16 rows cost 2.5%, 576 against 590 t/s.)
+// (With S warps per row, each warp its part's share of the row's bytes.)
 template <class F>
-__device__ __forceinline__ void mmvq1_prefetch(const MmvJob &j, int n_cols) {
+__device__ __forceinline__ void mmvq1_prefetch(const MmvJob &j, int n_cols, int S) {
 #ifdef RT_PDL_PREFETCH
-    int m, wi;
-    if (!job_warp_row(j, m, wi)) return;
+    const int gw = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+    int m, wi = gw / S;
+    if (!job_row(j, m, wi)) return;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
+    const size_t share = (row_bytes / S + 127) & ~(size_t)127, off = (size_t)(gw % S) * share;
+    if (off >= row_bytes) return;
+    const size_t len = min(share, row_bytes - off);
     const int lane = threadIdx.x & 31;
-    pdl_prefetch(job_w(j, m) + (size_t)wi * row_bytes, row_bytes, lane, 32);
-    if (j.glu) pdl_prefetch(j.w[1] + (size_t)wi * row_bytes, row_bytes, lane, 32);
+    pdl_prefetch(job_w(j, m) + (size_t)wi * row_bytes + off, len, lane, 32);
+    if (j.glu) pdl_prefetch(j.w[1] + (size_t)wi * row_bytes + off, len, lane, 32);
 #endif
 }
 
+// A warp per row, or S (1, 2 or 4) consecutive warps of a block per row without `glu` (the
+// parts' sums added through shared memory, as the float products do).
 template <class F>
 __device__ __forceinline__ void mmvq1(const MmvJob &j, const i8 *__restrict__ aq,
-                                      const float2 *__restrict__ ads, int n_cols) {
-    int m, wi;
-    if (!job_warp_row(j, m, wi)) return;  // the whole warp: no block barrier follows
+                                      const float2 *__restrict__ ads, int n_cols, int S) {
     const int ng = n_cols >> 5;
     const size_t row_bytes = (size_t)(n_cols / F::QK) * F::BYTES;
+    if (S > 1 && !j.glu) {
+        const int gw = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+        int m, wi = gw / S;
+        const bool has = job_row(j, m, wi);
+        float2 v = make_float2(0.0f, 0.0f);
+        if (has) v.x = mmvq_row1<F>(job_w(j, m) + (size_t)wi * row_bytes, aq, ads, ng, gw % S, S);
+        if (split_sum2(v, S) && has && (threadIdx.x & 31) == 0) job_out(j, m)[wi] = v.x;
+        return;
+    }
+    int m, wi;
+    if (!job_warp_row(j, m, wi)) return;  // the whole warp: no block barrier follows
     if (!j.glu) {
         const float x = mmvq_row1<F>(job_w(j, m) + (size_t)wi * row_bytes, aq, ads, ng);
         if ((threadIdx.x & 31) == 0) job_out(j, m)[wi] = x;
@@ -702,30 +780,33 @@ __device__ __forceinline__ float mmv_chunk(float acc, const uint4 w, const float
     return acc;
 }
 
+// Part `part` of `S` of a row's sum: the lane's 16-byte chunks part * 32 + lane, then every
+// 32 * S (S = 1: the whole row), summed across the warp.
 template <int TY>
 __device__ __forceinline__ float mmv_row1(const u8 *__restrict__ wrow, const float *__restrict__ x,
-                                          int n_cols) {
+                                          int n_cols, int part = 0, int S = 1) {
     const int lane = threadIdx.x & 31;
     const uint4 *wr = (const uint4 *)wrow;
     const float4 *xv = (const float4 *)x;
     const int nv = n_cols / (TY == 0 ? 4 : 8);
     float acc = 0.0f;
 #pragma unroll 4
-    for (int i = lane; i < nv; i += 32) acc = mmv_chunk<TY>(acc, wr[i], xv, i);
+    for (int i = part * 32 + lane; i < nv; i += 32 * S) acc = mmv_chunk<TY>(acc, wr[i], xv, i);
     return warp_sum(acc);
 }
 
 // Two rows against the same activations in one walk (gate and up), each summed as mmv_row1.
 template <int TY>
 __device__ __forceinline__ float2 mmv_row1x2(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
-                                             const float *__restrict__ x, int n_cols) {
+                                             const float *__restrict__ x, int n_cols, int part = 0,
+                                             int S = 1) {
     const int lane = threadIdx.x & 31;
     const uint4 *r0 = (const uint4 *)w0, *r1 = (const uint4 *)w1;
     const float4 *xv = (const float4 *)x;
     const int nv = n_cols / (TY == 0 ? 4 : 8);
     float a0 = 0.0f, a1 = 0.0f;
 #pragma unroll 2
-    for (int i = lane; i < nv; i += 32) {
+    for (int i = part * 32 + lane; i < nv; i += 32 * S) {
         const uint4 u0 = r0[i], u1 = r1[i];
         a0 = mmv_chunk<TY>(a0, u0, xv, i);
         a1 = mmv_chunk<TY>(a1, u1, xv, i);
@@ -735,36 +816,119 @@ __device__ __forceinline__ float2 mmv_row1x2(const u8 *__restrict__ w0, const u8
 
 template <int TY>
 __device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float *__restrict__ x,
-                                           float *__restrict__ out, int n_rows, int n_cols) {
-    const int row = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
-    if (row >= n_rows) return;
-    const float v = mmv_row1<TY>(W + (size_t)row * n_cols * (TY == 0 ? 4 : 2), x, n_cols);
-    if ((threadIdx.x & 31) == 0) out[row] = v;
+                                           float *__restrict__ out, int n_rows, int n_cols, int S,
+                                           float *__restrict__ acc) {
+    const int gw = blockIdx.x * (MMV_THREADS / 32) + (threadIdx.x >> 5);
+    const int row = gw / S, part = gw % S;
+    // (with S > 1 every warp reaches the block barrier)
+    float2 v = make_float2(0.0f, 0.0f);
+    if (row < n_rows)
+        v.x = mmv_row1<TY>(W + (size_t)row * n_cols * (TY == 0 ? 4 : 2), x, n_cols, part, S);
+    if (split_sum2(v, S) && row < n_rows && (threadIdx.x & 31) == 0) {
+        out[row] = v.x;
+        if (acc != nullptr) acc[row] = acc[row] + v.x;
+    }
+}
+
+// An RMSNorm folded into the one-token float product that reads its output: with nx given,
+// every block computes h = rms_norm(nx) * nw itself into dynamic shared memory (n floats;
+// the rms_norm kernel's arithmetic: squares rounded to f32 and summed in f64, then (x *
+// scale) * w), block 0 also storing h to hout; returns the activations the product reads
+// (x itself without nx). n a multiple of 4, rows 16-byte aligned. Every thread of the block
+// must call it.
+#define NORM_REG 4
+__device__ __forceinline__ const float *mmv_norm(const float *x, int n, const float *nx,
+                                                 const float *__restrict__ nw, float eps,
+                                                 float *hout) {
+    if (nx == nullptr) return x;
+    extern __shared__ float4 mmv_dyn[];
+    __shared__ double sm_ss[32];
+    const int n4 = n / 4, tid = threadIdx.x, nt = blockDim.x;
+    const float4 *x4 = (const float4 *)nx, *w4 = (const float4 *)nw;
+    float4 xv[NORM_REG], wv[NORM_REG];
+#pragma unroll
+    for (int k = 0; k < NORM_REG; k++) {
+        const int i = tid + k * nt;
+        xv[k] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        wv[k] = i < n4 ? w4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    double s = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_REG; k++) {
+        const float4 v = xv[k];
+        s += (double)__fmul_rn(v.x, v.x) + (double)__fmul_rn(v.y, v.y);
+        s += (double)__fmul_rn(v.z, v.z) + (double)__fmul_rn(v.w, v.w);
+    }
+    for (int i = tid + NORM_REG * nt; i < n4; i += nt) {
+        const float4 v = x4[i];
+        mmv_dyn[i] = v;
+        s += (double)__fmul_rn(v.x, v.x) + (double)__fmul_rn(v.y, v.y);
+        s += (double)__fmul_rn(v.z, v.z) + (double)__fmul_rn(v.w, v.w);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+    if ((tid & 31) == 0) sm_ss[tid >> 5] = s;
+    __syncthreads();
+    double tot = 0.0;
+    for (int k = 0; k < nt / 32; k++) tot += sm_ss[k];
+    const float mean = (float)(tot / (double)n);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    float4 *h4 = (float4 *)hout;
+#pragma unroll
+    for (int k = 0; k < NORM_REG; k++) {
+        const int i = tid + k * nt;
+        if (i < n4) {
+            const float4 v = xv[k], w = wv[k];
+            const float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, scale), w.x),
+                                         __fmul_rn(__fmul_rn(v.y, scale), w.y),
+                                         __fmul_rn(__fmul_rn(v.z, scale), w.z),
+                                         __fmul_rn(__fmul_rn(v.w, scale), w.w));
+            mmv_dyn[i] = o;
+            if (blockIdx.x == 0) h4[i] = o;
+        }
+    }
+    for (int i = tid + NORM_REG * nt; i < n4; i += nt) {
+        const float4 v = mmv_dyn[i], w = w4[i];
+        const float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, scale), w.x),
+                                     __fmul_rn(__fmul_rn(v.y, scale), w.y),
+                                     __fmul_rn(__fmul_rn(v.z, scale), w.z),
+                                     __fmul_rn(__fmul_rn(v.w, scale), w.w));
+        mmv_dyn[i] = o;
+        if (blockIdx.x == 0) h4[i] = o;
+    }
+    __syncthreads();
+    return (const float *)mmv_dyn;
 }
 
 // One token, up to three float matrices of one type and width in one launch (rows as in
-// mmvq1), or with `glu` the gate and up rows of one warp and act(gate) * up stored (the
-// swiglu / geglu kernels' arithmetic): each row summed as mmv_row1 sums it.
+// mmvq1 but blockDim.x / 32 per block, S warps per row), or with `glu` the gate and up rows of one warp and act(gate) * up
+// stored (the swiglu / geglu kernels' arithmetic): each row summed as mmv_row1 sums it.
 template <int TY>
-__device__ __forceinline__ void mmv1_job(const MmvJob &j, const float *__restrict__ x, int n_cols) {
-    int m, wi;
-    if (!job_warp_row(j, m, wi)) return;
+__device__ __forceinline__ void mmv1_job(const MmvJob &j, const float *x, int n_cols, int S) {
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int m, wi = gw / S;
+    const int part = gw % S;
+    const bool has = job_row(j, m, wi);
     const size_t rb = (size_t)n_cols * (TY == 0 ? 4 : 2);
-    const bool lane0 = (threadIdx.x & 31) == 0;
-    if (!j.glu) {
-        const float v = mmv_row1<TY>(job_w(j, m) + (size_t)wi * rb, x, n_cols);
-        if (lane0) job_out(j, m)[wi] = v;
-        return;
+    float2 v = make_float2(0.0f, 0.0f);
+    if (has) {
+        if (!j.glu)
+            v.x = mmv_row1<TY>(job_w(j, m) + (size_t)wi * rb, x, n_cols, part, S);
+        else
+            v = mmv_row1x2<TY>(j.w[0] + (size_t)wi * rb, j.w[1] + (size_t)wi * rb, x, n_cols, part, S);
     }
-    const float2 gu = mmv_row1x2<TY>(j.w[0] + (size_t)wi * rb, j.w[1] + (size_t)wi * rb, x, n_cols);
-    if (lane0) j.out[0][wi] = glu_act(j.glu, gu.x, gu.y);
+    if (!split_sum2(v, S) || !has || (threadIdx.x & 31) != 0) return;
+    if (!j.glu)
+        job_out(j, m)[wi] = v.x;
+    else
+        j.out[0][wi] = glu_act(j.glu, v.x, v.y);
 }
 
 #define MMVQ1_KERNEL(NAME, F)                                                                 \
     extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
-        mmvq1_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols) {               \
-        PDL_ENTRY_AFTER(mmvq1_prefetch<F>(j, n_cols));                                       \
-        mmvq1<F>(j, aq, ads, n_cols);                                                        \
+        mmvq1_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int S) {        \
+        PDL_ENTRY_AFTER(mmvq1_prefetch<F>(j, n_cols, S));                                    \
+        mmvq1<F>(j, aq, ads, n_cols, S);                                                     \
     }
 
 #define MMVQ1G_KERNEL(NAME, F)                                                                \
@@ -814,14 +978,16 @@ MMVQ_ALL(iq4_xs, FIQ4_XS)
 
 #define MMVF_ALL(NAME, TY)                                                                    \
     extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
-        mmv1_##NAME(const u8 *W, const float *x, float *out, int n_rows, int n_cols) {       \
-        PDL_ENTRY();                                                                         \
-        mmv_float1<TY>(W, x, out, n_rows, n_cols);                                           \
+        mmv1_##NAME(const u8 *W, const float *x, float *out, int n_rows, int n_cols, int S,  \
+                    float *acc) {                                                            \
+        PDL_ENTRY_AFTER(mmv1_prefetch<TY>(W, n_rows, n_cols, S));                            \
+        mmv_float1<TY>(W, x, out, n_rows, n_cols, S, acc);                                   \
     }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(MMV_THREADS)                                \
-        mmv1j_##NAME(MmvJob j, const float *x, int n_cols) {                                 \
-        PDL_ENTRY();                                                                         \
-        mmv1_job<TY>(j, x, n_cols);                                                          \
+    extern "C" __global__ void __launch_bounds__(MMV1J_MAX_THREADS)                          \
+        mmv1j_##NAME(MmvJob j, const float *x, int n_cols, int S, const float *nx,           \
+                     const float *nw, float eps, float *hout) {                              \
+        PDL_ENTRY_AFTER(mmv1j_prefetch<TY>(j, n_cols, S));                                   \
+        mmv1_job<TY>(j, mmv_norm(x, n_cols, nx, nw, eps, hout), n_cols, S);                  \
     }                                                                                        \
     MMVF_KERNEL(NAME, TY, 1)                                                                 \
     MMVF_KERNEL(NAME, TY, 2)                                                                 \

@@ -21,7 +21,7 @@ use rustorch_core::kv_cache::{KvCache, SeqId};
 use crate::device::LaunchMode;
 use crate::device::{CudaDevice, GpuVec};
 use crate::error::CudaError;
-use crate::kernels::{AttnRow, AttnShape, CudaMatrix};
+use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm};
 use crate::kv::CudaKvStore;
 use crate::step::{self, Captured, CudaState, GraphBox};
 
@@ -61,6 +61,26 @@ pub struct CudaAngles {
 
 /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph.
 pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
+
+/// The most rows of a product that computes a folded norm in each of its blocks (beyond,
+/// e.g. the output matrix, the norm's own launch costs less than every block's copy).
+const FOLD_MAX_ROWS: usize = 16384;
+
+/// A held-back product (see `Cuda::pending_mm`): the matrix, input and output (address,
+/// length).
+struct PendingMm {
+    w: *const CudaMatrix,
+    x: (u64, usize),
+    out: (u64, usize),
+}
+
+/// A held-back norm (see `Cuda::pending_norm`): `out = rms_norm(x) * w`.
+struct PendingNorm {
+    x: (u64, usize),
+    w: (u64, usize),
+    eps: f32,
+    out: (u64, usize),
+}
 
 /// What a deferred rotation rotates with: the RoPE, the head size, and the angles' device
 /// addresses and lengths.
@@ -108,6 +128,12 @@ pub struct Cuda<'a> {
     /// launch; any other op launches them first.
     pending_rope: Vec<(u64, usize)>,
     rope_args: Option<RopeArgs>,
+    /// A one-token float product not launched yet: an `add(x, out)` next makes it add its
+    /// rows into `x` in the same launch; any other op launches it first.
+    pending_mm: Option<PendingMm>,
+    /// An RMSNorm not launched yet: a one-token float product of its output next computes
+    /// it in each of its blocks (see [`FoldNorm`]); any other op launches it first.
+    pending_norm: Option<PendingNorm>,
     /// This call's attention inputs, uploaded by its first attention op, and the layer of
     /// the last attention op (a layer not after it starts another forward call).
     attn_in: Option<AttnInputs>,
@@ -141,6 +167,8 @@ impl<'a> Cuda<'a> {
             pending_add: None,
             pending_rope: Vec::new(),
             rope_args: None,
+            pending_mm: None,
+            pending_norm: None,
             attn_in: None,
             attn_layer: 0,
             layer: 0,
@@ -316,6 +344,62 @@ impl<'a> Cuda<'a> {
         Ok((out, None))
     }
 
+    /// Whether products and norms may be held back for folding (one token, no hook, not the
+    /// persistent kernel; `RUSTORCH_CUDA_FOLD=0` turns it off).
+    fn fold_ok(&self) -> bool {
+        self.hook.is_none() && crate::kernels::fold_enabled() && !crate::kernels::arith().mega
+    }
+
+    /// Launches a deferred product.
+    fn flush_mm(&mut self) {
+        if let Some(p) = self.pending_mm.take() {
+            // SAFETY: the matrix and buffers `matmul` was given, alive through the call
+            // (the model's weights, the architecture's workspace); `out` already has its
+            // length.
+            let r = unsafe {
+                let x = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
+                let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
+                self.dev.matmul(&*p.w, &x, &mut out, &mut self.st().s)
+            };
+            self.keep(r);
+        }
+    }
+
+    /// Launches a deferred norm.
+    fn flush_norm(&mut self) {
+        if let Some(p) = self.pending_norm.take() {
+            // SAFETY: as in flush_mm: the buffers `rms_norm` was given, `out` sized.
+            let r = unsafe {
+                let x = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
+                let w = GpuVec::<f32>::borrowed(p.w.0, p.w.1);
+                let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
+                let dev = self.dev;
+                dev.add_rms_norm(&x, None, &w, p.eps, &mut out, Some(&mut self.st().s))
+            };
+            self.keep(r);
+        }
+    }
+
+    /// The deferred norm as a [`FoldNorm`] when `x` is its output (and it then counts as
+    /// launched), else None after launching it.
+    fn take_norm_of(&mut self, x: &GpuVec<f32>) -> Option<FoldNorm> {
+        match &self.pending_norm {
+            Some(p) if p.out == (x.ptr(), x.len()) => {
+                let p = self.pending_norm.take()?;
+                Some(FoldNorm {
+                    x: p.x.0,
+                    w: p.w.0,
+                    eps: p.eps,
+                    h: p.out.0,
+                })
+            }
+            _ => {
+                self.flush_norm();
+                None
+            }
+        }
+    }
+
     /// Launches a deferred residual add.
     fn flush_add(&mut self) {
         if let Some((x, y, n)) = self.pending_add.take() {
@@ -351,6 +435,8 @@ impl<'a> Cuda<'a> {
     /// Before an op other than a product: launches deferred adds and rotations, and
     /// forgets the quantized activations a norm left (the op may change their buffer).
     fn touch(&mut self) {
+        self.flush_mm();
+        self.flush_norm();
         self.flush_add();
         self.flush_rope();
         self.st().s.acts_of = None;
@@ -363,6 +449,8 @@ impl<'a> Cuda<'a> {
         self.pending_add = None;
         self.pending_rope.clear();
         self.rope_args = None;
+        self.pending_mm = None;
+        self.pending_norm = None;
         self.st().s.acts_of = None;
         self.attn_in = None;
         self.attn_layer = 0;
@@ -638,6 +726,8 @@ impl<'a> Backend for Cuda<'a> {
     fn rms_norm(&mut self, x: &GpuVec<f32>, w: &GpuVec<f32>, eps: f32, out: &mut GpuVec<f32>) {
         // a deferred `x += y` joins the norm's launch; the norm also quantizes its output
         // for the product that follows
+        self.flush_mm();
+        self.flush_norm();
         let y = match self.pending_add {
             Some((px, py, n)) if px == x.ptr() && n == x.len() => {
                 self.pending_add = None;
@@ -649,6 +739,19 @@ impl<'a> Backend for Cuda<'a> {
             }
         };
         let dev = self.dev;
+        if y.is_none() && self.fold_ok() && x.len() == w.len() {
+            // held back: a float product of `out` may compute it (take_norm_of)
+            let r = out.resize(dev, x.len());
+            self.keep(r);
+            self.st().s.acts_of = None;
+            self.pending_norm = Some(PendingNorm {
+                x: (x.ptr(), x.len()),
+                w: (w.ptr(), w.len()),
+                eps,
+                out: (out.ptr(), out.len()),
+            });
+            return;
+        }
         let st = self.st();
         st.s.acts_of = None;
         let r = match y {
@@ -674,10 +777,32 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.flush_mm();
         self.flush_add();
         self.flush_rope();
-        self.check()?;
         let dev = self.dev;
+        if self.fold_ok() && x.len() == w.n_cols && dev.float_job_ok(w) {
+            if w.n_rows <= FOLD_MAX_ROWS {
+                if let Some(norm) = self.take_norm_of(x) {
+                    self.check()?;
+                    return dev
+                        .mmv1_job(&[w], x, &mut [out], 0, Some(&norm))
+                        .map_err(be_err);
+                }
+            }
+            // held back: an `add(_, out)` next may take it (see `add`)
+            self.flush_norm();
+            self.check()?;
+            out.resize(dev, w.n_rows).map_err(be_err)?;
+            self.pending_mm = Some(PendingMm {
+                w: w as *const CudaMatrix,
+                x: (x.ptr(), x.len()),
+                out: (out.ptr(), out.len()),
+            });
+            return Ok(());
+        }
+        self.flush_norm();
+        self.check()?;
         dev.matmul(w, x, out, &mut self.st().s).map_err(be_err)
     }
 
@@ -687,10 +812,24 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         outs: &mut [&mut GpuVec<f32>],
     ) -> Result<(), BackendError> {
+        self.flush_mm();
         self.flush_add();
         self.flush_rope();
-        self.check()?;
         let dev = self.dev;
+        let float_job = (1..=3).contains(&ws.len())
+            && x.len() == ws[0].n_cols
+            && ws
+                .iter()
+                .all(|w| w.ty == ws[0].ty && w.n_cols == ws[0].n_cols && dev.float_job_ok(w));
+        let rows: usize = ws.iter().map(|w| w.n_rows).sum();
+        if float_job && outs.len() == ws.len() && rows <= FOLD_MAX_ROWS && self.fold_ok() {
+            if let Some(norm) = self.take_norm_of(x) {
+                self.check()?;
+                return dev.mmv1_job(ws, x, outs, 0, Some(&norm)).map_err(be_err);
+            }
+        }
+        self.flush_norm();
+        self.check()?;
         dev.matmul_many(ws, x, outs, &mut self.st().s)
             .map_err(be_err)
     }
@@ -704,10 +843,27 @@ impl<'a> Backend for Cuda<'a> {
         gate: &mut GpuVec<f32>,
         up: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.flush_mm();
         self.flush_add();
         self.flush_rope();
-        self.check()?;
         let dev = self.dev;
+        let float_job = wg.ty == wu.ty
+            && wg.n_rows == wu.n_rows
+            && wg.n_cols == wu.n_cols
+            && x.len() == wg.n_cols
+            && dev.float_job_ok(wg);
+        if float_job && wg.n_rows <= FOLD_MAX_ROWS && self.fold_ok() {
+            if let Some(norm) = self.take_norm_of(x) {
+                self.check()?;
+                let mut spare = GpuVec::default();
+                let glu = 1 + i32::from(act == Glu::Gelu);
+                return dev
+                    .mmv1_job(&[wg, wu], x, &mut [gate, &mut spare], glu, Some(&norm))
+                    .map_err(be_err);
+            }
+        }
+        self.flush_norm();
+        self.check()?;
         if self.hook.is_none() {
             if let Some(r) = dev.glu_fused(act == Glu::Gelu, wg, wu, x, gate, &mut self.st().s) {
                 return r.map_err(be_err);
@@ -736,6 +892,32 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn add(&mut self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) {
+        if let Some(p) = &self.pending_mm {
+            if p.out == (y.ptr(), y.len()) && x.len() == y.len() && x.ptr() != p.x.0 {
+                // the held-back product adds its rows into x as it stores them
+                let Some(p) = self.pending_mm.take() else {
+                    return;
+                };
+                self.flush_norm();
+                self.flush_add();
+                self.flush_rope();
+                self.st().s.acts_of = None;
+                // SAFETY: as in flush_mm.
+                let r = unsafe {
+                    let xin = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
+                    let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
+                    match self.dev.matmul_acc(&*p.w, &xin, &mut out, x) {
+                        Some(r) => r,
+                        None => self
+                            .dev
+                            .matmul(&*p.w, &xin, &mut out, &mut self.st().s)
+                            .and_then(|_| self.dev.add(x, y)),
+                    }
+                };
+                self.keep(r);
+                return;
+            }
+        }
         self.touch();
         if y.len() < x.len() {
             let r = self.dev.add(x, y);
@@ -788,6 +970,8 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn rope(&mut self, x: &mut GpuVec<f32>, rope: &Rope, head_dim: usize, a: &CudaAngles) {
+        self.flush_mm();
+        self.flush_norm();
         self.flush_add();
         self.st().s.acts_of = None;
         let args = RopeArgs {
@@ -819,6 +1003,8 @@ impl<'a> Backend for Cuda<'a> {
         cells: &[usize],
         out: &mut GpuVec<f32>,
     ) {
+        self.flush_mm();
+        self.flush_norm();
         self.flush_add();
         let fused = self.pending_rope[..] == [(q.ptr(), q.len()), (k.ptr(), k.len())];
         let rope = if fused {

@@ -401,13 +401,25 @@ impl CudaDevice {
         block: u32,
         args: &[&dyn KernelArg],
     ) -> Result<()> {
+        self.launch_smem(name, grid, block, 0, args)
+    }
+
+    /// [`CudaDevice::launch`] with `smem` bytes of dynamic shared memory per block.
+    pub(crate) fn launch_smem(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[&dyn KernelArg],
+    ) -> Result<()> {
         {
             let mut r = self.recorder();
             if r.mode != LaunchMode::Run {
                 r.launches += 1;
                 r.mix(name.as_bytes());
                 r.mix(&[0xff]);
-                for d in [grid.0, grid.1, grid.2, block] {
+                for d in [grid.0, grid.1, grid.2, block, smem] {
                     r.mix(&d.to_le_bytes());
                 }
                 for a in args {
@@ -423,7 +435,7 @@ impl CudaDevice {
         }
         let f = self.func(name)?;
         if self.pdl {
-            return self.launch_pdl(f, grid, block, args);
+            return self.launch_pdl(f, grid, block, smem, args);
         }
         let mut b = self.stream.launch_builder(f);
         for a in args.iter() {
@@ -432,7 +444,7 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         // SAFETY: each kernel's argument list is built by the wrapper in `kernels.rs` that
         // matches its C signature; pointers are to live device buffers sized by the caller.
@@ -448,6 +460,7 @@ impl CudaDevice {
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
+        smem: u32,
         args: &[&dyn KernelArg],
     ) -> Result<()> {
         const MAX_ARGS: usize = 32;
@@ -473,7 +486,7 @@ impl CudaDevice {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
@@ -780,7 +793,8 @@ impl<T: DeviceRepr> GpuVec<T> {
 
     /// Allocated elements.
     pub fn capacity(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len())
+        // (a borrowed view: its length, so that resizing it to that length is a no-op)
+        self.buf.as_ref().map_or(self.len, |b| b.len())
     }
 
     /// Makes room for `n` values and sets the length to `n` (old contents are kept only

@@ -337,6 +337,89 @@ pub fn attn_per_pass(e: usize) -> usize {
     attn_warps() * (8 / e).max(1)
 }
 
+/// An RMSNorm folded into the one-token float product that reads its output: `h =
+/// rms_norm(x) * w` (rows of `w.len()` values) computed by every block of the product into
+/// shared memory, block 0 also storing `h`. Saves the norm's launch.
+pub(crate) struct FoldNorm {
+    pub x: u64,
+    pub w: u64,
+    pub eps: f32,
+    pub h: u64,
+}
+
+/// Whether a residual add and an RMSNorm may fold into the one-token float products around
+/// them (`RUSTORCH_CUDA_FOLD=0` turns it off).
+pub fn fold_enabled() -> bool {
+    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *F.get_or_init(|| std::env::var("RUSTORCH_CUDA_FOLD").map_or(true, |v| v != "0"))
+}
+
+/// Threads per block of a one-token float product that computes a folded norm in each
+/// block: `RUSTORCH_CUDA_FOLD_THREADS` (128, 256 or 512), default 128.
+pub fn fold_threads() -> usize {
+    static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        std::env::var("RUSTORCH_CUDA_FOLD_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|t| matches!(t, 128 | 256 | 512))
+            .unwrap_or(128)
+    })
+}
+
+/// Warps per row of a one-token quantized product (`mmvq1_*` without `glu`): 2 for rows of
+/// at least `RUSTORCH_CUDA_MMV_SPLIT_MIN` values (default 4096), else 1;
+/// `RUSTORCH_CUDA_MMVQ_SPLIT` (1, 2 or 4) sets the 2. (H100, TinyLlama shape, tg128, the
+/// down product split, 1 / 2 / 4 warps, two rounds: Q4_0 1280,1348 / 1372,1392 /
+/// 1328,1307; Q4_K_M 1234,1258 / 1306,1308 / 1256,1172; Q8_0 1073,1062 / 1101,1052 /
+/// 1064,1109 t/s, a noisy lease.)
+pub fn mmvq_split(n_cols: usize) -> usize {
+    static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let s = *S.get_or_init(|| {
+        std::env::var("RUSTORCH_CUDA_MMVQ_SPLIT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|s| matches!(s, 1 | 2 | 4))
+            .unwrap_or(2)
+    });
+    if n_cols >= split_min() {
+        s
+    } else {
+        1
+    }
+}
+
+fn split_min() -> usize {
+    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *M.get_or_init(|| {
+        std::env::var("RUSTORCH_CUDA_MMV_SPLIT_MIN")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(4096)
+    })
+}
+
+/// Warps per row of a one-token float product (`mmv1_*`, `mmv1j_*`): 4 for rows of at least
+/// `RUSTORCH_CUDA_MMV_SPLIT_MIN` values (default 4096), else 1; `RUSTORCH_CUDA_MMV_SPLIT` (1,
+/// 2 or 4) sets the 4. (H100, F16 TinyLlama shape, tg128, the down product's 5632-wide rows
+/// split: 1 warp 750/767 t/s, 2 warps 795/801, 4 warps 818/810; the 2048-wide rows split in 2
+/// as well: 793/796.)
+pub fn mmv_split(n_cols: usize) -> usize {
+    static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let s = *S.get_or_init(|| {
+        std::env::var("RUSTORCH_CUDA_MMV_SPLIT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|s| matches!(s, 1 | 2 | 4))
+            .unwrap_or(4)
+    });
+    if n_cols >= split_min() {
+        s
+    } else {
+        1
+    }
+}
+
 /// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 8, or
 /// `RUSTORCH_CUDA_ATTN_WARPS` (1 to 32); 4 with the persistent kernel, whose blocks have 4.
 /// (On an H100, TinyLlama shape, a block loading 8 / e cells per warp at once, tg128 t/s,
@@ -477,7 +560,7 @@ impl CudaDevice {
                 return self.mmvq(ws, n_tok, outs, 0, s);
             }
             if n_tok == 1 && ws.len() > 1 && self.float_job_ok(first) {
-                return self.mmv1_job(ws, x, outs, 0);
+                return self.mmv1_job(ws, x, outs, 0, None);
             }
         }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -528,11 +611,13 @@ impl CudaDevice {
             if probe_skip(&[w], false) {
                 return Ok(());
             }
+            let sp = mmv_split(w.n_cols);
+            let (spi, accp) = (sp as i32, 0u64);
             return self.launch(
                 &format!("mmv1_{st}"),
-                (blocks(w.n_rows, MMV_THREADS / 32), 1, 1),
+                (blocks(w.n_rows * sp, MMV_THREADS / 32), 1, 1),
                 MMV_THREADS as u32,
-                &[&wp, &xp, &op, &nr, &nc],
+                &[&wp, &xp, &op, &nr, &nc, &spi, &accp],
             );
         }
         let tpr = threads_per_row(w.n_cols);
@@ -552,20 +637,54 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// One token, a float matrix: `out = x·W` and also `acc += out` in the same launch (a
+    /// residual add folded into the product). None where the one-token float kernel does
+    /// not apply.
+    pub fn matmul_acc(
+        &self,
+        w: &CudaMatrix,
+        x: &GpuVec<f32>,
+        out: &mut GpuVec<f32>,
+        acc: &GpuVec<f32>,
+    ) -> Option<Result<()>> {
+        if x.len() != w.n_cols || acc.len() != w.n_rows || !self.float_job_ok(w) {
+            return None;
+        }
+        let st = stem(w.ty)?;
+        Some((|| {
+            out.resize(self, w.n_rows)?;
+            let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
+            let (xp, op, accp) = (x.ptr(), out.ptr(), acc.ptr());
+            if probe_skip(&[w], false) {
+                return Ok(());
+            }
+            let sp = mmv_split(w.n_cols);
+            let spi = sp as i32;
+            self.launch(
+                &format!("mmv1_{st}"),
+                (blocks(w.n_rows * sp, MMV_THREADS / 32), 1, 1),
+                MMV_THREADS as u32,
+                &[&wp, &xp, &op, &nr, &nc, &spi, &accp],
+            )
+        })())
+    }
+
     /// Whether one-token float products of `w`'s type and width can share a launch.
-    fn float_job_ok(&self, w: &CudaMatrix) -> bool {
+    pub(crate) fn float_job_ok(&self, w: &CudaMatrix) -> bool {
         let per = if w.ty == GgmlType::F32 { 4 } else { 8 };
         is_float(w.ty) && w.n_cols.is_multiple_of(per) && arith().decode_kernels && !arith().mega
     }
 
     /// One token: up to three float matrices of one type and width in one launch, or with
-    /// `glu` (two matrices of equal rows) `outs[0] = act(x·W0) ⊙ x·W1`.
-    fn mmv1_job(
+    /// `glu` (two matrices of equal rows) `outs[0] = act(x·W0) ⊙ x·W1`. With `norm`, `x` is
+    /// `norm`'s output, which every block computes itself (see [`FoldNorm`]).
+    pub(crate) fn mmv1_job(
         &self,
         ws: &[&CudaMatrix],
         x: &GpuVec<f32>,
         outs: &mut [&mut GpuVec<f32>],
         glu: i32,
+        norm: Option<&FoldNorm>,
     ) -> Result<()> {
         let first = ws[0];
         let st = stem(first.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
@@ -592,11 +711,19 @@ impl CudaDevice {
         if probe_skip(ws, glu != 0) {
             return Ok(());
         }
-        self.launch(
+        let sp = mmv_split(first.n_cols);
+        let spi = sp as i32;
+        let (nx, nw, eps, hp) = norm.map_or((0, 0, 0.0f32, 0), |f| (f.x, f.w, f.eps, f.h));
+        let (smem, threads) = match norm {
+            Some(_) => (first.n_cols * 4, fold_threads()),
+            None => (0, MMV_THREADS),
+        };
+        self.launch_smem(
             &format!("mmv1j_{st}"),
-            (blocks(rows, MMV_THREADS / 32), 1, 1),
-            MMV_THREADS as u32,
-            &[&job, &xp, &nc],
+            (blocks(rows * sp, threads / 32), 1, 1),
+            threads as u32,
+            smem as u32,
+            &[&job, &xp, &nc, &spi, &nx, &nw, &eps, &hp],
         )
     }
 
@@ -647,11 +774,13 @@ impl CudaDevice {
             if probe_skip(ws, glu != 0) {
                 return Ok(());
             }
+            let sp = if glu != 0 { 1 } else { mmvq_split(n_cols) };
+            let spi = sp as i32;
             return self.launch(
                 &format!("mmvq1_{st}"),
-                (blocks(rows, MMV_THREADS / 32), 1, 1),
+                (blocks(rows * sp, MMV_THREADS / 32), 1, 1),
                 MMV_THREADS as u32,
-                &[&job, &aq, &ads, &nc],
+                &[&job, &aq, &ads, &nc, &spi],
             );
         }
         for (t0, cnt, nt) in Self::token_tiles(n_tok) {
@@ -697,7 +826,13 @@ impl CudaDevice {
                 return None;
             }
             let mut spare = GpuVec::default();
-            return Some(self.mmv1_job(&[wg, wu], x, &mut [gate, &mut spare], 1 + i32::from(gelu)));
+            return Some(self.mmv1_job(
+                &[wg, wu],
+                x,
+                &mut [gate, &mut spare],
+                1 + i32::from(gelu),
+                None,
+            ));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
@@ -1178,7 +1313,12 @@ impl CudaDevice {
         }
         let n_split = match split {
             Some(k) => k.max(1),
-            None => auto_splits(self.info.multiprocessors, n * nh, max_cells, attn_per_pass(e)),
+            None => auto_splits(
+                self.info.multiprocessors,
+                n * nh,
+                max_cells,
+                attn_per_pass(e),
+            ),
         };
         if n_split > 1 {
             s.part.resize(self, n * nh * n_split * (hd + 2))?;
