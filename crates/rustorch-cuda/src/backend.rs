@@ -66,6 +66,10 @@ pub type TensorHook = Box<dyn Fn(&str, usize, &[f32]) + Send + Sync>;
 /// e.g. the output matrix, the norm's own launch costs less than every block's copy).
 const FOLD_MAX_ROWS: usize = 16384;
 
+/// The widest rows whose folded norm fits a block's shared memory (x and the product's
+/// activations, 4 bytes each, under the default 48 KiB with room for the static arrays).
+const FOLD_MAX_COLS: usize = 10240;
+
 /// A held-back product (see `Cuda::pending_mm`): the matrix, input and output (address,
 /// length).
 struct PendingMm {
@@ -381,10 +385,16 @@ impl<'a> Cuda<'a> {
     }
 
     /// The deferred norm as a [`FoldNorm`] when `x` is its output (and it then counts as
-    /// launched), else None after launching it.
-    fn take_norm_of(&mut self, x: &GpuVec<f32>) -> Option<FoldNorm> {
+    /// launched), else None after launching it. Also None where the product's blocks could
+    /// not hold it (rows wider than [`FOLD_MAX_COLS`]) or where the product writes the
+    /// norm's input (`outs`: every block reads all of it while others store their rows).
+    fn take_norm_of(&mut self, x: &GpuVec<f32>, outs: &[u64]) -> Option<FoldNorm> {
         match &self.pending_norm {
-            Some(p) if p.out == (x.ptr(), x.len()) => {
+            Some(p)
+                if p.out == (x.ptr(), x.len())
+                    && x.len() <= FOLD_MAX_COLS
+                    && !outs.contains(&p.x.0) =>
+            {
                 let p = self.pending_norm.take()?;
                 Some(FoldNorm {
                     x: p.x.0,
@@ -739,7 +749,8 @@ impl<'a> Backend for Cuda<'a> {
             }
         };
         let dev = self.dev;
-        if y.is_none() && self.fold_ok() && x.len() == w.len() {
+        // (not while rotations wait for the attention: they come first in program order)
+        if y.is_none() && self.fold_ok() && x.len() == w.len() && self.pending_rope.is_empty() {
             // held back: a float product of `out` may compute it (take_norm_of)
             let r = out.resize(dev, x.len());
             self.keep(r);
@@ -783,7 +794,7 @@ impl<'a> Backend for Cuda<'a> {
         let dev = self.dev;
         if self.fold_ok() && x.len() == w.n_cols && dev.float_job_ok(w) {
             if w.n_rows <= FOLD_MAX_ROWS {
-                if let Some(norm) = self.take_norm_of(x) {
+                if let Some(norm) = self.take_norm_of(x, &[out.ptr()]) {
                     self.check()?;
                     return dev
                         .mmv1_job(&[w], x, &mut [out], 0, Some(&norm))
@@ -823,7 +834,11 @@ impl<'a> Backend for Cuda<'a> {
                 .all(|w| w.ty == ws[0].ty && w.n_cols == ws[0].n_cols && dev.float_job_ok(w));
         let rows: usize = ws.iter().map(|w| w.n_rows).sum();
         if float_job && outs.len() == ws.len() && rows <= FOLD_MAX_ROWS && self.fold_ok() {
-            if let Some(norm) = self.take_norm_of(x) {
+            let mut out_ptrs = [0u64; 3];
+            for (d, o) in out_ptrs.iter_mut().zip(outs.iter()) {
+                *d = o.ptr();
+            }
+            if let Some(norm) = self.take_norm_of(x, &out_ptrs[..outs.len()]) {
                 self.check()?;
                 return dev.mmv1_job(ws, x, outs, 0, Some(&norm)).map_err(be_err);
             }
@@ -853,7 +868,7 @@ impl<'a> Backend for Cuda<'a> {
             && x.len() == wg.n_cols
             && dev.float_job_ok(wg);
         if float_job && wg.n_rows <= FOLD_MAX_ROWS && self.fold_ok() {
-            if let Some(norm) = self.take_norm_of(x) {
+            if let Some(norm) = self.take_norm_of(x, &[gate.ptr(), up.ptr()]) {
                 self.check()?;
                 let mut spare = GpuVec::default();
                 let glu = 1 + i32::from(act == Glu::Gelu);
