@@ -837,6 +837,16 @@ __device__ __forceinline__ void mmv_float1(const u8 *__restrict__ W, const float
 // (x itself without nx). n a multiple of 4, rows 16-byte aligned. Every thread of the block
 // must call it.
 #define NORM_REG 4
+// s += v's four squares, each rounded to f32 and added in f64 (two pairs).
+__device__ __forceinline__ void add_sq4(double &s, float4 v) {
+    s += (double)__fmul_rn(v.x, v.x) + (double)__fmul_rn(v.y, v.y);
+    s += (double)__fmul_rn(v.z, v.z) + (double)__fmul_rn(v.w, v.w);
+}
+// (v * scale) * w per element, the rms_norm kernel's rounding.
+__device__ __forceinline__ float4 norm4(float4 v, float scale, float4 w) {
+    return make_float4(__fmul_rn(__fmul_rn(v.x, scale), w.x), __fmul_rn(__fmul_rn(v.y, scale), w.y),
+                       __fmul_rn(__fmul_rn(v.z, scale), w.z), __fmul_rn(__fmul_rn(v.w, scale), w.w));
+}
 __device__ __forceinline__ const float *mmv_norm(const float *x, int n, const float *nx,
                                                  const float *__restrict__ nw, float eps,
                                                  float *hout) {
@@ -856,14 +866,12 @@ __device__ __forceinline__ const float *mmv_norm(const float *x, int n, const fl
 #pragma unroll
     for (int k = 0; k < NORM_REG; k++) {
         const float4 v = xv[k];
-        s += (double)__fmul_rn(v.x, v.x) + (double)__fmul_rn(v.y, v.y);
-        s += (double)__fmul_rn(v.z, v.z) + (double)__fmul_rn(v.w, v.w);
+        add_sq4(s, v);
     }
     for (int i = tid + NORM_REG * nt; i < n4; i += nt) {
         const float4 v = x4[i];
         mmv_dyn[i] = v;
-        s += (double)__fmul_rn(v.x, v.x) + (double)__fmul_rn(v.y, v.y);
-        s += (double)__fmul_rn(v.z, v.z) + (double)__fmul_rn(v.w, v.w);
+        add_sq4(s, v);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
@@ -878,21 +886,13 @@ __device__ __forceinline__ const float *mmv_norm(const float *x, int n, const fl
     for (int k = 0; k < NORM_REG; k++) {
         const int i = tid + k * nt;
         if (i < n4) {
-            const float4 v = xv[k], w = wv[k];
-            const float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, scale), w.x),
-                                         __fmul_rn(__fmul_rn(v.y, scale), w.y),
-                                         __fmul_rn(__fmul_rn(v.z, scale), w.z),
-                                         __fmul_rn(__fmul_rn(v.w, scale), w.w));
+            const float4 o = norm4(xv[k], scale, wv[k]);
             mmv_dyn[i] = o;
             if (blockIdx.x == 0) h4[i] = o;
         }
     }
     for (int i = tid + NORM_REG * nt; i < n4; i += nt) {
-        const float4 v = mmv_dyn[i], w = w4[i];
-        const float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, scale), w.x),
-                                     __fmul_rn(__fmul_rn(v.y, scale), w.y),
-                                     __fmul_rn(__fmul_rn(v.z, scale), w.z),
-                                     __fmul_rn(__fmul_rn(v.w, scale), w.w));
+        const float4 o = norm4(mmv_dyn[i], scale, w4[i]);
         mmv_dyn[i] = o;
         if (blockIdx.x == 0) h4[i] = o;
     }

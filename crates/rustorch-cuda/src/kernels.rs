@@ -359,12 +359,34 @@ pub fn fold_enabled() -> bool {
 pub fn fold_threads() -> usize {
     static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *T.get_or_init(|| {
-        std::env::var("RUSTORCH_CUDA_FOLD_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|t| matches!(t, 128 | 256 | 512))
-            .unwrap_or(128)
+        env_usize(
+            "RUSTORCH_CUDA_FOLD_THREADS",
+            |t| matches!(t, 128 | 256 | 512),
+            128,
+        )
     })
+}
+
+/// The value of environment variable `name` where it parses and `ok` accepts it, else
+/// `default`.
+fn env_usize(name: &str, ok: impl Fn(usize) -> bool, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&v| ok(v))
+        .unwrap_or(default)
+}
+
+/// `s` warps per row for rows of at least `RUSTORCH_CUDA_MMV_SPLIT_MIN` values (default
+/// 4096), else 1.
+fn split_for(s: usize, n_cols: usize) -> usize {
+    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min = *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMV_SPLIT_MIN", |_| true, 4096));
+    if n_cols >= min {
+        s
+    } else {
+        1
+    }
 }
 
 /// Warps per row of a one-token quantized product (`mmvq1_*` without `glu`): 2 for rows of
@@ -375,28 +397,8 @@ pub fn fold_threads() -> usize {
 /// 1064,1109 t/s, a noisy lease.)
 pub fn mmvq_split(n_cols: usize) -> usize {
     static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let s = *S.get_or_init(|| {
-        std::env::var("RUSTORCH_CUDA_MMVQ_SPLIT")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|s| matches!(s, 1 | 2 | 4))
-            .unwrap_or(2)
-    });
-    if n_cols >= split_min() {
-        s
-    } else {
-        1
-    }
-}
-
-fn split_min() -> usize {
-    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *M.get_or_init(|| {
-        std::env::var("RUSTORCH_CUDA_MMV_SPLIT_MIN")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(4096)
-    })
+    let s = *S.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVQ_SPLIT", |s| matches!(s, 1 | 2 | 4), 2));
+    split_for(s, n_cols)
 }
 
 /// Warps per row of a one-token float product (`mmv1_*`, `mmv1j_*`): 4 for rows of at least
@@ -406,18 +408,8 @@ fn split_min() -> usize {
 /// as well: 793/796.)
 pub fn mmv_split(n_cols: usize) -> usize {
     static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let s = *S.get_or_init(|| {
-        std::env::var("RUSTORCH_CUDA_MMV_SPLIT")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|s| matches!(s, 1 | 2 | 4))
-            .unwrap_or(4)
-    });
-    if n_cols >= split_min() {
-        s
-    } else {
-        1
-    }
+    let s = *S.get_or_init(|| env_usize("RUSTORCH_CUDA_MMV_SPLIT", |s| matches!(s, 1 | 2 | 4), 4));
+    split_for(s, n_cols)
 }
 
 /// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 8, or
@@ -432,11 +424,7 @@ pub fn attn_warps() -> usize {
         if arith().mega {
             return 4;
         }
-        std::env::var("RUSTORCH_CUDA_ATTN_WARPS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|w| (1..=32).contains(w))
-            .unwrap_or(8)
+        env_usize("RUSTORCH_CUDA_ATTN_WARPS", |w| (1..=32).contains(&w), 8)
     })
 }
 
@@ -607,18 +595,7 @@ impl CudaDevice {
         let per = if w.ty == GgmlType::F32 { 4 } else { 8 };
         if n_tok == 1 && w.n_cols.is_multiple_of(per) && arith().decode_kernels {
             // one token: a warp per row, 16-byte loads (rows stay 16-byte aligned)
-            let (xp, op) = (x.ptr(), out.ptr());
-            if probe_skip(&[w], false) {
-                return Ok(());
-            }
-            let sp = mmv_split(w.n_cols);
-            let (spi, accp) = (sp as i32, 0u64);
-            return self.launch(
-                &format!("mmv1_{st}"),
-                (blocks(w.n_rows * sp, MMV_THREADS / 32), 1, 1),
-                MMV_THREADS as u32,
-                &[&wp, &xp, &op, &nr, &nc, &spi, &accp],
-            );
+            return self.launch_mmv1(w, st, x, out, 0);
         }
         let tpr = threads_per_row(w.n_cols);
         let grid = blocks(w.n_rows, MMV_THREADS / tpr);
@@ -651,22 +628,35 @@ impl CudaDevice {
             return None;
         }
         let st = stem(w.ty)?;
-        Some((|| {
-            out.resize(self, w.n_rows)?;
-            let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
-            let (xp, op, accp) = (x.ptr(), out.ptr(), acc.ptr());
-            if probe_skip(&[w], false) {
-                return Ok(());
-            }
-            let sp = mmv_split(w.n_cols);
-            let spi = sp as i32;
-            self.launch(
-                &format!("mmv1_{st}"),
-                (blocks(w.n_rows * sp, MMV_THREADS / 32), 1, 1),
-                MMV_THREADS as u32,
-                &[&wp, &xp, &op, &nr, &nc, &spi, &accp],
-            )
-        })())
+        Some(
+            out.resize(self, w.n_rows)
+                .and_then(|_| self.launch_mmv1(w, st, x, out, acc.ptr())),
+        )
+    }
+
+    /// The one-token float kernel `mmv1_{st}` (`out` sized): `out = x·W`, and with `acc`
+    /// (an address, 0 for none) `acc += out` too.
+    fn launch_mmv1(
+        &self,
+        w: &CudaMatrix,
+        st: &str,
+        x: &GpuVec<f32>,
+        out: &GpuVec<f32>,
+        acc: u64,
+    ) -> Result<()> {
+        let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
+        let (xp, op) = (x.ptr(), out.ptr());
+        if probe_skip(&[w], false) {
+            return Ok(());
+        }
+        let sp = mmv_split(w.n_cols);
+        let spi = sp as i32;
+        self.launch(
+            &format!("mmv1_{st}"),
+            (blocks(w.n_rows * sp, MMV_THREADS / 32), 1, 1),
+            MMV_THREADS as u32,
+            &[&wp, &xp, &op, &nr, &nc, &spi, &acc],
+        )
     }
 
     /// Whether one-token float products of `w`'s type and width can share a launch.
