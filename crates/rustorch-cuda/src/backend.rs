@@ -258,6 +258,9 @@ impl<'a> Cuda<'a> {
             return self.eager(&mut f);
         }
         let dev = self.dev;
+        let mega = !self.st().mega_off && crate::mega::mega_enabled();
+        // the last call's graph, launched before the dry run (see crate::step)
+        let early = if mega { None } else { self.launch_early()? };
         // dry run: the signature of what the call would launch
         let t0 = std::time::Instant::now();
         self.reset_call();
@@ -270,6 +273,28 @@ impl<'a> Cuda<'a> {
         let reads = std::mem::take(&mut self.reads);
         self.st().graphs.stats.dry_ns += t0.elapsed().as_nanos() as u64;
         let clean = dry.is_ok() && self.err.is_none() && reads.len() == 1 && launches > 0;
+        let dry = match (early, dry) {
+            (Some(e), Ok(out))
+                if clean && sig == e.sig && reads[0] == e.read && dev.alloc_count() == allocs =>
+            {
+                let t1 = std::time::Instant::now();
+                let logits = self.read_back(e.read)?;
+                let g = &mut self.st().graphs;
+                g.stats.early += 1;
+                g.stats.replayed += 1;
+                g.stats.replay_ns += t1.elapsed().as_nanos() as u64;
+                g.early_misses = 0;
+                self.note_replay(sig, e.read);
+                return Ok((out, Some(logits)));
+            }
+            (Some(_), dry) => {
+                let g = &mut self.st().graphs;
+                g.stats.early_missed += 1;
+                g.early_misses += 1;
+                dry
+            }
+            (None, dry) => dry,
+        };
         if !clean || self.st().graphs.bad.contains(&sig) {
             return self.eager(&mut f);
         }
@@ -280,7 +305,7 @@ impl<'a> Cuda<'a> {
         let t1 = std::time::Instant::now();
         // a dry run that allocated may have recorded buffers it then replaced: no program
         // of it (a later step, with the buffers grown, makes one)
-        if !self.st().mega_off && crate::mega::mega_enabled() && dev.alloc_count() == allocs {
+        if mega && dev.alloc_count() == allocs {
             if let Ok(m) = dev.mega() {
                 let st = self.st();
                 if st.progs.run(dev, &m, sig).map_err(be_err)? {
@@ -298,6 +323,7 @@ impl<'a> Cuda<'a> {
             r.map_err(|e| be_err(e.into()))?;
             let logits = self.read_back(read)?;
             self.st().graphs.stats.replay_ns += t1.elapsed().as_nanos() as u64;
+            self.note_replay(sig, read);
             return Ok((out, Some(logits)));
         }
         // capture the call (nothing runs), check that it launched the same, replay it
@@ -334,7 +360,44 @@ impl<'a> Cuda<'a> {
             used: g.tick,
         });
         r.map_err(|e| be_err(e.into()))?;
-        Ok((out, Some(self.read_back(read)?)))
+        let logits = self.read_back(read)?;
+        self.note_replay(sig, read);
+        Ok((out, Some(logits)))
+    }
+
+    /// Where the call may launch the last call's graph before its dry run (see
+    /// [`crate::step`]): launches it and returns what the dry run must confirm.
+    fn launch_early(&mut self) -> Result<Option<step::LastReplay>, BackendError> {
+        let buffers = self.dev.alloc_count();
+        let st = self.st();
+        let Some(last) = st.graphs.last.take() else {
+            return Ok(None);
+        };
+        let same = last.buffers == buffers
+            && st.inp.valid
+            && st.inp.tokens.len() == last.tokens
+            && st.inp.out_rows.len() == last.out_rows;
+        if !same || st.early_off || st.graphs.early_misses >= 4 || !step::early_enabled() {
+            return Ok(None);
+        }
+        let Some(c) = st.graphs.find(last.sig) else {
+            return Ok(None);
+        };
+        c.graph.0.launch().map_err(|e| be_err(e.into()))?;
+        Ok(Some(last))
+    }
+
+    /// Remembers the graph this call replayed, for the next call's early launch.
+    fn note_replay(&mut self, sig: u64, read: (u64, usize)) {
+        let buffers = self.dev.alloc_count();
+        let st = self.st();
+        st.graphs.last = Some(step::LastReplay {
+            sig,
+            read,
+            buffers,
+            tokens: st.inp.tokens.len(),
+            out_rows: st.inp.out_rows.len(),
+        });
     }
 
     fn eager<T, E: From<BackendError>>(
@@ -469,8 +532,9 @@ impl<'a> Cuda<'a> {
 
     /// Values of a device buffer (waits for the stream).
     fn read_back(&mut self, (ptr, len): (u64, usize)) -> Result<Vec<f32>, BackendError> {
+        let dev = self.dev;
         // SAFETY: the buffer was read by the call (it is a live workspace buffer).
-        unsafe { self.dev.read_raw::<f32>(ptr, len) }.map_err(be_err)
+        unsafe { self.st().out_host.read_f32(dev, ptr, len) }.map_err(be_err)
     }
 
     /// Waits for the queued ops and returns the first error of the call, if any.

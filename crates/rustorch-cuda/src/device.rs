@@ -2,6 +2,7 @@
 //! (from the on-disk cache, or compiled with NVRTC on first use).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
@@ -97,9 +98,8 @@ pub struct CudaDevice {
     rec: Arc<Mutex<Recorder>>,
     /// The persistent decode kernel's module, loaded on first use (see [`crate::mega`]).
     mega: Arc<OnceLock<std::result::Result<Arc<MegaModule>, String>>>,
-    /// Device allocations made so far (a dry run that allocates may have recorded
-    /// addresses of buffers it then replaced).
-    allocs: Arc<std::sync::atomic::AtomicU64>,
+    /// Buffers allocated or freed through this device (see [`CudaDevice::alloc_count`]).
+    events: Arc<AtomicU64>,
     pub info: DeviceInfo,
     pub module: ModuleInfo,
 }
@@ -295,7 +295,7 @@ impl CudaDevice {
                 recorded: Recorded::default(),
             })),
             mega: Arc::new(OnceLock::new()),
-            allocs: Arc::default(),
+            events: Arc::default(),
             info,
             module: minfo,
         })
@@ -342,9 +342,11 @@ impl CudaDevice {
         }
     }
 
-    /// Device allocations made through [`CudaDevice::alloc`] so far.
+    /// Buffers allocated or freed through this device so far (a dry run that allocates
+    /// may have recorded addresses of buffers it then replaced; a graph recorded before a
+    /// buffer was freed may point at it).
     pub(crate) fn alloc_count(&self) -> u64 {
-        self.allocs.load(std::sync::atomic::Ordering::Relaxed)
+        self.events.load(Ordering::Relaxed)
     }
 
     /// `f` of the launches the last dry run recorded.
@@ -549,8 +551,7 @@ impl CudaDevice {
 
     /// A device buffer of `n` values (at least one element is allocated), contents unset.
     pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<GpuVec<T>> {
-        self.allocs
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.events.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the memory is written before it is read by every user of GpuVec.
         let buf = unsafe { self.stream.alloc::<T>(n.max(1)) }?;
         let ptr = raw_ptr(&buf, &self.stream);
@@ -558,6 +559,7 @@ impl CudaDevice {
             buf: Some(buf),
             ptr,
             len: n,
+            events: Some(self.events.clone()),
         })
     }
 
@@ -752,6 +754,25 @@ pub struct GpuVec<T> {
     buf: Option<CudaSlice<T>>,
     ptr: u64,
     len: usize,
+    /// The allocating device's buffer events, counted again when the buffer is freed.
+    events: Option<Arc<AtomicU64>>,
+}
+
+impl<T> GpuVec<T> {
+    /// Frees the buffer (if it owns one).
+    fn free(&mut self) {
+        if self.buf.take().is_some() {
+            if let Some(e) = &self.events {
+                e.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl<T> Drop for GpuVec<T> {
+    fn drop(&mut self) {
+        self.free();
+    }
 }
 
 impl<T> Default for GpuVec<T> {
@@ -760,6 +781,7 @@ impl<T> Default for GpuVec<T> {
             buf: None,
             ptr: 0,
             len: 0,
+            events: None,
         }
     }
 }
@@ -775,6 +797,7 @@ impl<T: DeviceRepr> GpuVec<T> {
             buf: None,
             ptr,
             len,
+            events: None,
         }
     }
 
@@ -802,7 +825,7 @@ impl<T: DeviceRepr> GpuVec<T> {
     pub fn resize(&mut self, dev: &CudaDevice, n: usize) -> Result<()> {
         if self.capacity() < n {
             // free first, so that a large buffer does not briefly exist twice
-            self.buf = None;
+            self.free();
             *self = dev.alloc(n)?;
         }
         self.len = n;

@@ -15,6 +15,16 @@
 //! is data in device memory), so it is replayed in the call's place; otherwise the call is
 //! captured (launches recorded into a new graph, which must have the same signature) and
 //! then replayed. A few graphs are kept, the least recently used dropped first.
+//!
+//! **Early launch.** The dry run costs the host ~50 µs a step, time the GPU would spend
+//! waiting. So where the last call replayed a graph, the next call with as many tokens and
+//! logit rows, no device buffer allocated or freed in between (every address in the graph
+//! is live), launches that graph *first* and does its dry run while the GPU works. Only a
+//! dry run with the same signature (and the same logits buffer) lets the call return the
+//! graph's results; otherwise the call goes on as above (replay, capture or op by op),
+//! which runs the step again after the early graph on the same stream: a step's writes
+//! (its new cache cells, scratch, logits) depend only on its inputs, so the second run
+//! overwrites every one of them. Four misses in a row stop early launches for the model.
 
 use std::ffi::c_void;
 
@@ -60,6 +70,27 @@ impl Pinned {
         self.ptr = p.cast::<u32>();
         self.cap = cap;
         Ok(())
+    }
+
+    /// The values of `n` f32 at device address `src` (waits for the stream), copied through
+    /// this page-locked buffer: the driver then copies them directly, not through a staging
+    /// buffer of its own.
+    ///
+    /// # Safety
+    /// `src` must be live device memory of at least `n` values.
+    pub(crate) unsafe fn read_f32(
+        &mut self,
+        dev: &CudaDevice,
+        src: u64,
+        n: usize,
+    ) -> Result<Vec<f32>> {
+        self.reserve(dev, n)?;
+        let w = self.words(n);
+        if n > 0 {
+            cudarc::driver::result::memcpy_dtoh_async(w, src, dev.stream().cu_stream())?;
+        }
+        dev.stream().synchronize()?;
+        Ok(self.words(n).iter().map(|&b| f32::from_bits(b)).collect())
     }
 
     fn words(&mut self, n: usize) -> &mut [u32] {
@@ -237,6 +268,11 @@ pub struct GraphStats {
     pub failed: u64,
     /// Calls run as one persistent kernel (see [`crate::mega`]).
     pub mega: u64,
+    /// Replays launched before their dry run (see [`Graphs::last`]) that the dry run then
+    /// confirmed (also counted in `replayed`), and those it did not (the step then ran
+    /// again as the dry run said).
+    pub early: u64,
+    pub early_missed: u64,
     /// Host time of calls that may use graphs, in nanoseconds: uploading inputs, the dry
     /// runs, capturing, and launching and reading back replays.
     pub prepare_ns: u64,
@@ -245,9 +281,27 @@ pub struct GraphStats {
     pub replay_ns: u64,
 }
 
+/// The graph the last call replayed, and what must be unchanged for the next call to
+/// launch it before its dry run.
+#[derive(Clone, Copy)]
+pub(crate) struct LastReplay {
+    pub sig: u64,
+    /// The buffer whose values the call returned.
+    pub read: (u64, usize),
+    /// [`crate::device::CudaDevice::alloc_count`] after the call: no buffer allocated or
+    /// freed since, so every address the graph holds is still live.
+    pub buffers: u64,
+    pub tokens: usize,
+    pub out_rows: usize,
+}
+
 #[derive(Default)]
 pub(crate) struct Graphs {
     pub list: Vec<Captured>,
+    /// Set after a replay; see [`LastReplay`].
+    pub last: Option<LastReplay>,
+    /// Early launches the dry run did not confirm, in a row (at 4 they stop).
+    pub early_misses: u32,
     /// Signatures whose capture failed (run op by op from then on).
     pub bad: Vec<u64>,
     pub tick: u64,
@@ -273,6 +327,12 @@ impl Graphs {
     }
 }
 
+/// Whether a decode step may launch the graph of the step before it ahead of its own dry
+/// run (`RUSTORCH_CUDA_EARLY=0` turns it off).
+pub(crate) fn early_enabled() -> bool {
+    std::env::var("RUSTORCH_CUDA_EARLY").map_or(true, |v| v != "0")
+}
+
 /// Whether graphs are on (`RUSTORCH_CUDA_GRAPHS=0` turns them off).
 pub(crate) fn graphs_enabled() -> bool {
     std::env::var("RUSTORCH_CUDA_GRAPHS").map_or(true, |v| v != "0")
@@ -285,10 +345,14 @@ pub struct CudaState {
     pub(crate) s: Scratch,
     pub(crate) tmp: GpuVec<f32>,
     pub(crate) inp: Prepared,
+    /// Where a replayed step's logits come back to.
+    pub(crate) out_host: Pinned,
     pub(crate) graphs: Graphs,
     pub(crate) progs: crate::mega::Programs,
     /// Decode steps kept off the persistent kernel even where `RUSTORCH_CUDA_MEGA=1`.
     pub(crate) mega_off: bool,
+    /// No early launches (see [`Graphs::last`]) for this model.
+    pub(crate) early_off: bool,
 }
 
 impl CudaState {
@@ -300,6 +364,13 @@ impl CudaState {
     /// replay CUDA graphs) or back on.
     pub fn set_mega(&mut self, on: bool) {
         self.mega_off = !on;
+    }
+
+    /// Turns early launches of a replayed graph (before the dry run that confirms it) off
+    /// or back on (on by default unless `RUSTORCH_CUDA_EARLY=0`).
+    pub fn set_early(&mut self, on: bool) {
+        self.early_off = !on;
+        self.graphs.early_misses = 0;
     }
 }
 

@@ -35,10 +35,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let st = model.cuda_graph_stats().unwrap_or_default();
     let per = |a: u64, b: u64| (a - b) as f64 / 1e3 / n as f64;
     println!(
-        "{n} tokens: {:.1} t/s ({:.1} µs/token); replayed {}, captured {}, eager {}, failed {}",
+        "{n} tokens: {:.1} t/s ({:.1} µs/token); replayed {} ({} launched early, {} early \
+         launches not confirmed), captured {}, eager {}, failed {}",
         n as f64 / dt,
         dt * 1e6 / n as f64,
         st.replayed - before.replayed,
+        st.early - before.early,
+        st.early_missed - before.early_missed,
         st.captured - before.captured,
         st.eager - before.eager,
         st.failed - before.failed

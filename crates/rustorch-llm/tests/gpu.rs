@@ -220,6 +220,52 @@ fn megakernel_equals_graphs() {
     }
 }
 
+/// A decode step that launches the last step's graph before its dry run (the default)
+/// returns the very logits of one that waits for the dry run, and most steps did launch
+/// early.
+#[test]
+fn early_launch_equals_checked_replay() {
+    let prompts = fixture_prompts();
+    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
+    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
+    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
+    for path in models {
+        let Some((_, gpu, tok)) = open(&path) else {
+            continue;
+        };
+        let toks: Vec<Vec<u32>> = prompts[..4]
+            .iter()
+            .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
+            .collect();
+        gpu.set_cuda_early_launch(false);
+        let checked = decode_logits(&gpu, &toks, 24);
+        let before = gpu.cuda_graph_stats().expect("stats");
+        gpu.set_cuda_early_launch(true);
+        let early = decode_logits(&gpu, &toks, 24);
+        let after = gpu.cuda_graph_stats().expect("stats");
+        let (hits, misses) = (
+            after.early - before.early,
+            after.early_missed - before.early_missed,
+        );
+        eprintln!(
+            "{}: {hits} of 96 steps launched early, {misses} early launches not confirmed",
+            path.display()
+        );
+        assert_eq!(before.early, 0, "early launches while switched off");
+        assert!(hits >= 60, "only {hits} of 96 steps launched early");
+        let bad = early
+            .iter()
+            .zip(&checked)
+            .filter(|(a, b)| {
+                a.iter()
+                    .zip(b.iter())
+                    .any(|(x, y)| x.to_bits() != y.to_bits())
+            })
+            .count();
+        assert_eq!(bad, 0, "{bad} steps' logits differ with early launches");
+    }
+}
+
 #[test]
 fn gpu_matches_cpu() {
     let prompts = fixture_prompts();

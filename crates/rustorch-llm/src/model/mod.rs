@@ -877,6 +877,18 @@ impl Model {
         }
     }
 
+    /// On the GPU: whether a decode step may launch the last step's CUDA graph before its
+    /// dry run confirms it (on by default unless `RUSTORCH_CUDA_EARLY=0`); nothing
+    /// otherwise.
+    pub fn set_cuda_early_launch(&self, on: bool) {
+        if let Placed::Cuda(c) = &self.placed {
+            c.state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set_early(on);
+        }
+    }
+
     /// The GPU's name when the model runs on one.
     pub fn gpu_name(&self) -> Option<String> {
         match &self.placed {
