@@ -240,7 +240,12 @@ impl<'a> Cuda<'a> {
                 &seqs,
             )
             .map_err(be_err);
-        self.st().graphs.stats.prepare_ns += t0.elapsed().as_nanos() as u64;
+        let st = self.st();
+        st.graphs.stats.prepare_ns += t0.elapsed().as_nanos() as u64;
+        st.inp.cache = cache
+            .store()
+            .and_then(|s| s.as_any().downcast_ref::<CudaKvStore>())
+            .map_or((0, 0), |s| (s.layer_k(0), s.layer_v(0)));
         r
     }
 
@@ -291,6 +296,10 @@ impl<'a> Cuda<'a> {
                 let g = &mut self.st().graphs;
                 g.stats.early_missed += 1;
                 g.early_misses += 1;
+                if g.early_misses >= step::EARLY_MISSES {
+                    g.early_misses = 0;
+                    g.early_pause = step::EARLY_PAUSE;
+                }
                 dry
             }
             (None, dry) => dry,
@@ -370,14 +379,21 @@ impl<'a> Cuda<'a> {
     fn launch_early(&mut self) -> Result<Option<step::LastReplay>, BackendError> {
         let buffers = self.dev.alloc_count();
         let st = self.st();
-        let Some(last) = st.graphs.last.take() else {
+        let last = st.graphs.last.take();
+        if st.graphs.early_pause > 0 {
+            st.graphs.early_pause -= 1;
+            return Ok(None);
+        }
+        let Some(last) = last else {
             return Ok(None);
         };
         let same = last.buffers == buffers
             && st.inp.valid
+            && st.inp.cache == last.cache
+            && last.cache.0 != 0
             && st.inp.tokens.len() == last.tokens
             && st.inp.out_rows.len() == last.out_rows;
-        if !same || st.early_off || st.graphs.early_misses >= 4 || !step::early_enabled() {
+        if !same || st.early_off || !step::early_enabled() {
             return Ok(None);
         }
         let Some(c) = st.graphs.find(last.sig) else {
@@ -397,6 +413,7 @@ impl<'a> Cuda<'a> {
             buffers,
             tokens: st.inp.tokens.len(),
             out_rows: st.inp.out_rows.len(),
+            cache: st.inp.cache,
         });
     }
 
@@ -405,7 +422,10 @@ impl<'a> Cuda<'a> {
         f: &mut impl FnMut(&mut Self) -> Result<T, E>,
     ) -> Result<(T, Option<Vec<f32>>), E> {
         self.reset_call();
-        self.st().graphs.stats.eager += 1;
+        let g = &mut self.st().graphs;
+        g.stats.eager += 1;
+        // (no early launch after a call run op by op: whatever it changed is unchecked)
+        g.last = None;
         let out = f(self)?;
         self.finish()?;
         Ok((out, None))

@@ -17,14 +17,16 @@
 //! then replayed. A few graphs are kept, the least recently used dropped first.
 //!
 //! **Early launch.** The dry run costs the host ~50 µs a step, time the GPU would spend
-//! waiting. So where the last call replayed a graph, the next call with as many tokens and
-//! logit rows, no device buffer allocated or freed in between (every address in the graph
-//! is live), launches that graph *first* and does its dry run while the GPU works. Only a
+//! waiting. So where the last call replayed a graph, the next call on the same KV cache with
+//! as many tokens and logit rows, no device buffer allocated or freed in between (every
+//! address in the graph is live), launches that graph *first* and does its dry run while the
+//! GPU works (a graph holds its cache's addresses: on another cache it would write this
+//! step's cells into the wrong one). Only a
 //! dry run with the same signature (and the same logits buffer) lets the call return the
 //! graph's results; otherwise the call goes on as above (replay, capture or op by op),
 //! which runs the step again after the early graph on the same stream: a step's writes
 //! (its new cache cells, scratch, logits) depend only on its inputs, so the second run
-//! overwrites every one of them. Four misses in a row stop early launches for the model.
+//! overwrites every one of them. Four misses in a row pause early launches for 64 calls.
 
 use std::ffi::c_void;
 
@@ -141,6 +143,9 @@ pub(crate) struct Prepared {
     pub desc_off: usize,
     /// The most cells of a row's sequence.
     pub max_cells: usize,
+    /// The KV cache the call runs on: its key and value rows' device addresses (a graph
+    /// holds them; another cache's step must not replay it).
+    pub cache: (u64, u64),
 }
 
 impl Prepared {
@@ -293,6 +298,8 @@ pub(crate) struct LastReplay {
     pub buffers: u64,
     pub tokens: usize,
     pub out_rows: usize,
+    /// [`Prepared::cache`] of the call.
+    pub cache: (u64, u64),
 }
 
 #[derive(Default)]
@@ -300,8 +307,10 @@ pub(crate) struct Graphs {
     pub list: Vec<Captured>,
     /// Set after a replay; see [`LastReplay`].
     pub last: Option<LastReplay>,
-    /// Early launches the dry run did not confirm, in a row (at 4 they stop).
+    /// Early launches the dry run did not confirm, in a row; at [`EARLY_MISSES`] early
+    /// launches pause for [`EARLY_PAUSE`] calls.
     pub early_misses: u32,
+    pub early_pause: u32,
     /// Signatures whose capture failed (run op by op from then on).
     pub bad: Vec<u64>,
     pub tick: u64,
@@ -326,6 +335,11 @@ impl Graphs {
         self.list.push(c);
     }
 }
+
+/// Unconfirmed early launches in a row that pause them (a step that missed ran twice), and
+/// for how many calls.
+pub(crate) const EARLY_MISSES: u32 = 4;
+pub(crate) const EARLY_PAUSE: u32 = 64;
 
 /// Whether a decode step may launch the graph of the step before it ahead of its own dry
 /// run (`RUSTORCH_CUDA_EARLY=0` turns it off).
@@ -371,6 +385,7 @@ impl CudaState {
     pub fn set_early(&mut self, on: bool) {
         self.early_off = !on;
         self.graphs.early_misses = 0;
+        self.graphs.early_pause = 0;
     }
 }
 

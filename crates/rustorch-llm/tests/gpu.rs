@@ -220,11 +220,96 @@ fn megakernel_equals_graphs() {
     }
 }
 
+/// Whether the environment leaves decode steps to CUDA graphs with early launches (the
+/// defaults); else the early-launch tests skip.
+fn early_launch_default() -> bool {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    if var("RUSTORCH_CUDA_EARLY") == "0"
+        || var("RUSTORCH_CUDA_GRAPHS") == "0"
+        || var("RUSTORCH_CUDA_MEGA") == "1"
+    {
+        eprintln!(
+            "SKIPPED: early-launch tests: RUSTORCH_CUDA_EARLY/GRAPHS/MEGA are not the defaults"
+        );
+        return false;
+    }
+    true
+}
+
+/// Greedy decode of two prompts on two caches of one model, one step of each in turn.
+fn alternate_logits(gpu: &Model, a: &[u32], b: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    let rt = Runtime::new(2);
+    let mut ca = gpu.new_cache(a.len() + steps + 1);
+    let mut cb = gpu.new_cache(b.len() + steps + 1);
+    let mut la = prompt_logits(gpu, a, &mut ca, &rt);
+    let mut lb = prompt_logits(gpu, b, &mut cb, &rt);
+    let mut out = Vec::new();
+    for s in 0..steps {
+        la = step(gpu, argmax(&la) as u32, a.len() + s, &mut ca, &rt);
+        lb = step(gpu, argmax(&lb) as u32, b.len() + s, &mut cb, &rt);
+        out.push(la.clone());
+        out.push(lb.clone());
+    }
+    out
+}
+
+/// Steps of two sequences on two caches in turn (as two sessions on one model do): a
+/// graph holds its cache's addresses, so a step must never launch the other cache's graph
+/// early (it would write its new cells into the other cache). Same logits as with early
+/// launches off, bit for bit.
+#[test]
+fn early_launch_two_caches() {
+    if !early_launch_default() {
+        return;
+    }
+    let prompts = fixture_prompts();
+    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
+    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
+    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
+    for path in models {
+        let Some((_, gpu, tok)) = open(&path) else {
+            continue;
+        };
+        let enc = |i: usize| tok.encode(&prompts[i].0, true, true).expect("tokenize");
+        // prompts of different lengths: one cache's new slots are cells the other uses
+        let a = enc(0);
+        let b = (1..prompts.len())
+            .map(enc)
+            .find(|b| b.len() != a.len())
+            .expect("two prompts of different lengths");
+        gpu.set_cuda_early_launch(false);
+        let checked = alternate_logits(&gpu, &a, &b, 16);
+        gpu.set_cuda_early_launch(true);
+        let before = gpu.cuda_graph_stats().expect("stats");
+        let early = alternate_logits(&gpu, &a, &b, 16);
+        let after = gpu.cuda_graph_stats().expect("stats");
+        eprintln!(
+            "{}: two caches in turn, 32 steps: {} launched early, {} not confirmed",
+            path.display(),
+            after.early - before.early,
+            after.early_missed - before.early_missed
+        );
+        let bad = early
+            .iter()
+            .zip(&checked)
+            .filter(|(x, y)| {
+                x.iter()
+                    .zip(y.iter())
+                    .any(|(p, q)| p.to_bits() != q.to_bits())
+            })
+            .count();
+        assert_eq!(bad, 0, "{bad} steps' logits differ with early launches");
+    }
+}
+
 /// A decode step that launches the last step's graph before its dry run (the default)
 /// returns the very logits of one that waits for the dry run, and most steps did launch
 /// early.
 #[test]
 fn early_launch_equals_checked_replay() {
+    if !early_launch_default() {
+        return;
+    }
     let prompts = fixture_prompts();
     let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
     let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
