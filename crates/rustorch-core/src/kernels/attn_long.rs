@@ -46,6 +46,14 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
             }
             return;
         }
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) && hd.is_multiple_of(8) && hd > 0 && hd <= 256 {
+            let vexp = super::vexp::vexp_enabled(isa);
+            for chunk in queries.chunks_mut(x86::MAX_Q) {
+                // SAFETY: as above.
+                unsafe { x86::attend_group_avx2(h, chunk, vexp) };
+            }
+            return;
+        }
     }
     for gq in queries.iter_mut() {
         let one = HeadAttn {
@@ -509,6 +517,298 @@ mod x86 {
         }
     }
 
+    /// Lane `i` is the sum of the lanes of `z[i]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn transpose_sum8(z: &[__m256; 8]) -> __m256 {
+        let t0 = _mm256_hadd_ps(z[0], z[1]);
+        let t1 = _mm256_hadd_ps(z[2], z[3]);
+        let t2 = _mm256_hadd_ps(z[4], z[5]);
+        let t3 = _mm256_hadd_ps(z[6], z[7]);
+        // per 128-bit half: lanes 0-3 the half-sums of z[0..4], of z[4..8]
+        let u0 = _mm256_hadd_ps(t0, t1);
+        let u1 = _mm256_hadd_ps(t2, t3);
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(u0, u1),
+            _mm256_permute2f128_ps::<0x31>(u0, u1),
+        )
+    }
+
+    /// What the value update of one 8-cell chunk needs (AVX2).
+    struct VState8<'a> {
+        masks: &'a [u32; MAX_Q],
+        resc: &'a [u32; MAX_Q],
+        ex: &'a [[f32; 8]; MAX_Q],
+        vp: *const f32,
+        accp: *mut f32,
+        hd: usize,
+        nc: usize,
+    }
+
+    /// The value update for queries `j0..j0 + P` (head size `8 * NV`), accumulators in
+    /// registers; the arithmetic of [`attend_avx2`]'s update, cell by cell.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vupdate8<const NV: usize, const P: usize>(
+        st: &VState8<'_>,
+        j0: usize,
+        sum: &mut [f32; MAX_Q],
+    ) {
+        let mut a = [[_mm256_setzero_ps(); NV]; P];
+        for (jj, aj) in a.iter_mut().enumerate() {
+            for (i, ai) in aj.iter_mut().enumerate() {
+                *ai = _mm256_loadu_ps(st.accp.add((j0 + jj) * st.hd + 8 * i));
+            }
+        }
+        for c in 0..st.nc {
+            for (jj, aj) in a.iter_mut().enumerate() {
+                let j = j0 + jj;
+                if st.masks[j] & (1 << c) == 0 {
+                    continue;
+                }
+                let e = st.ex[j][c];
+                let (ms, vs) = if st.resc[j] & (1 << c) != 0 {
+                    let msv = _mm256_set1_ps(e);
+                    for ai in aj.iter_mut() {
+                        *ai = _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(_mm256_mul_ps(*ai, msv)));
+                    }
+                    (e, 1.0f32)
+                } else {
+                    (1.0f32, e)
+                };
+                let vsv = _mm256_set1_ps(vs);
+                for (i, ai) in aj.iter_mut().enumerate() {
+                    let t = _mm256_add_ps(
+                        *ai,
+                        _mm256_mul_ps(_mm256_loadu_ps(st.vp.add(c * st.hd + 8 * i)), vsv),
+                    );
+                    *ai = _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(t));
+                }
+                sum[j] = sum[j] * ms + vs;
+            }
+        }
+        for (jj, aj) in a.iter().enumerate() {
+            for (i, ai) in aj.iter().enumerate() {
+                _mm256_storeu_ps(st.accp.add((j0 + jj) * st.hd + 8 * i), *ai);
+            }
+        }
+    }
+
+    /// [`vupdate8`] for one query of any head size (multiple of 8), accumulators in memory.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vupdate8_any(st: &VState8<'_>, j: usize, nv: usize, sum: &mut [f32; MAX_Q]) {
+        let ap = st.accp.add(j * st.hd);
+        for c in 0..st.nc {
+            if st.masks[j] & (1 << c) == 0 {
+                continue;
+            }
+            let e = st.ex[j][c];
+            let rescale = st.resc[j] & (1 << c) != 0;
+            let (ms, vs) = if rescale { (e, 1.0f32) } else { (1.0f32, e) };
+            let (msv, vsv) = (_mm256_set1_ps(ms), _mm256_set1_ps(vs));
+            for i in 0..nv {
+                let mut a = _mm256_loadu_ps(ap.add(8 * i));
+                if rescale {
+                    a = _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(_mm256_mul_ps(a, msv)));
+                }
+                let t = _mm256_add_ps(
+                    a,
+                    _mm256_mul_ps(_mm256_loadu_ps(st.vp.add(c * st.hd + 8 * i)), vsv),
+                );
+                _mm256_storeu_ps(ap.add(8 * i), _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(t)));
+            }
+            sum[j] = sum[j] * ms + vs;
+        }
+    }
+
+    /// [`attend_group_avx512`] with 8-wide vectors: up to [`MAX_Q`] queries over the same
+    /// cells in chunks of 8, each chunk's keys and values converted from f16 once, the
+    /// chunk's 8 scores of a query summed by one transpose and exponentiated by one vector
+    /// `exp` (glibc's `expf` to the bit, `vexp`). Each output is [`attend_avx2`]'s for that
+    /// query up to the key dot product's summation order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_avx2(
+        h: &HeadAttn<'_>,
+        qs: &mut [super::GroupQuery<'_>],
+        vexp: bool,
+    ) {
+        const CH8: usize = 8;
+        let nq = qs.len();
+        assert!(nq <= MAX_Q);
+        let hd = qs[0].q.len();
+        let nv = hd / 8;
+        let zero = _mm256_setzero_ps();
+        use std::mem::MaybeUninit;
+        // Scratch rows of `hd` floats (only written parts are ever read).
+        let mut qbuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
+        let mut abuf = MaybeUninit::<[f32; MAX_Q * 256]>::uninit();
+        let mut kbuf = MaybeUninit::<[f32; CH8 * 256]>::uninit();
+        let mut vbuf = MaybeUninit::<[f32; CH8 * 256]>::uninit();
+        let (qp, accp) = (qbuf.as_mut_ptr() as *mut f32, abuf.as_mut_ptr() as *mut f32);
+        let (kp, vp) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+        let mut m = [f32::NEG_INFINITY; MAX_Q];
+        let mut sum = [0f32; MAX_Q];
+        for (j, gq) in qs.iter().enumerate() {
+            assert_eq!(gq.q.len(), hd);
+            for i in 0..nv {
+                let x = _mm256_loadu_ps(gq.q.as_ptr().add(8 * i));
+                _mm256_storeu_ps(
+                    qp.add(j * hd + 8 * i),
+                    _mm256_cvtph_ps(_mm256_cvtps_ph::<RNE>(x)),
+                );
+                _mm256_storeu_ps(accp.add(j * hd + 8 * i), zero);
+            }
+        }
+        let ncell = h.pos.len();
+        let mut c0 = 0;
+        while c0 < ncell {
+            let nc = (ncell - c0).min(CH8);
+            let mut masks = [0u32; MAX_Q];
+            let mut any = 0u32;
+            for (j, gq) in qs.iter().enumerate() {
+                let mut mk = 0u32;
+                for c in 0..nc {
+                    let p = h.pos[c0 + c];
+                    if p <= gq.max_pos && p >= gq.min_pos {
+                        mk |= 1 << c;
+                    }
+                }
+                masks[j] = mk;
+                any |= mk;
+            }
+            if any == 0 {
+                c0 += nc;
+                continue;
+            }
+            for c in 0..nc {
+                if any & (1 << c) == 0 {
+                    continue;
+                }
+                let base = (c0 + c) * h.stride + h.offset;
+                assert!(base + hd <= h.k.len() && base + hd <= h.v.len());
+                for i in 0..nv {
+                    let k = _mm256_cvtph_ps(_mm_loadu_si128(
+                        h.k.as_ptr().add(base + 8 * i) as *const __m128i
+                    ));
+                    let v = _mm256_cvtph_ps(_mm_loadu_si128(
+                        h.v.as_ptr().add(base + 8 * i) as *const __m128i
+                    ));
+                    _mm256_storeu_ps(kp.add(c * hd + 8 * i), k);
+                    _mm256_storeu_ps(vp.add(c * hd + 8 * i), v);
+                }
+            }
+            // phase 1, per query: the 8 scores, the online-max scan (exponent arguments in
+            // cell order) and one vector exp
+            let mut ex = [[0f32; 8]; MAX_Q];
+            let mut resc = [0u32; MAX_Q];
+            for j in 0..nq {
+                let mk = masks[j];
+                if mk == 0 {
+                    continue;
+                }
+                let mut z = [zero; 8];
+                for (c, zc) in z.iter_mut().enumerate().take(nc) {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let mut a = zero;
+                    for i in 0..nv {
+                        a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(qp.add(j * hd + 8 * i)),
+                            _mm256_loadu_ps(kp.add(c * hd + 8 * i)),
+                            a,
+                        );
+                    }
+                    *zc = a;
+                }
+                let sv = _mm256_mul_ps(transpose_sum8(&z), _mm256_set1_ps(h.scale));
+                let mut sc = [0f32; 8];
+                _mm256_storeu_ps(sc.as_mut_ptr(), sv);
+                if h.softcap != 0.0 {
+                    for v in sc.iter_mut() {
+                        *v = h.cap(*v);
+                    }
+                }
+                let mut arg = [0f32; 8];
+                let mut rj = 0u32;
+                let mut mj = m[j];
+                for c in 0..nc {
+                    if mk & (1 << c) == 0 {
+                        continue;
+                    }
+                    let s = sc[c];
+                    if s > mj {
+                        arg[c] = mj - s;
+                        rj |= 1 << c;
+                        mj = s;
+                    } else {
+                        arg[c] = s - mj;
+                    }
+                }
+                m[j] = mj;
+                resc[j] = rj;
+                if vexp {
+                    _mm256_storeu_ps(
+                        ex[j].as_mut_ptr(),
+                        super::super::vexp::x86::exp8(_mm256_loadu_ps(arg.as_ptr())),
+                    );
+                } else {
+                    for c in 0..nc {
+                        if mk & (1 << c) != 0 {
+                            ex[j][c] = arg[c].exp();
+                        }
+                    }
+                }
+            }
+            // phase 2: weighted values into the f16 accumulators, several queries at a time
+            // where the registers hold them
+            let st = VState8 {
+                masks: &masks,
+                resc: &resc,
+                ex: &ex,
+                vp: vp as *const f32,
+                accp,
+                hd,
+                nc,
+            };
+            let mut j0 = 0;
+            while j0 < nq {
+                let step = match nv {
+                    4 if j0 + 2 <= nq => {
+                        vupdate8::<4, 2>(&st, j0, &mut sum);
+                        2
+                    }
+                    4 => {
+                        vupdate8::<4, 1>(&st, j0, &mut sum);
+                        1
+                    }
+                    8 => {
+                        vupdate8::<8, 1>(&st, j0, &mut sum);
+                        1
+                    }
+                    _ => {
+                        vupdate8_any(&st, j0, nv, &mut sum);
+                        1
+                    }
+                };
+                j0 += step;
+            }
+            c0 += nc;
+        }
+        for (j, gq) in qs.iter_mut().enumerate() {
+            assert_eq!(gq.out.len(), hd);
+            if sum[j] == 0.0 {
+                gq.out.fill(0.0);
+                continue;
+            }
+            let inv = _mm256_set1_ps(1.0 / sum[j]);
+            for i in 0..nv {
+                let a = _mm256_loadu_ps(accp.add(j * hd + 8 * i));
+                _mm256_storeu_ps(gq.out.as_mut_ptr().add(8 * i), _mm256_mul_ps(a, inv));
+            }
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -583,6 +883,114 @@ mod x86 {
                 out.as_mut_ptr().add(8 * i),
                 _mm256_mul_ps(_mm256_loadu_ps(ap.add(8 * i)), inv),
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::f32_to_f16;
+
+    /// Deterministic values in (-1, 1).
+    fn noise(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The grouped kernels of every level this CPU has give each query what the one-query
+    /// kernel of that level gives it (up to the key dot product's summation order: within a
+    /// few f16 steps of the accumulator), for head sizes 32 to 256, causal and sliding
+    /// windows, soft-capping, and more queries than one call takes.
+    #[test]
+    fn grouped_equals_one_query() {
+        for isa in Isa::available() {
+            for &(hd, nq, ncell, softcap) in &[
+                (64usize, 12usize, 100usize, 0.0f32),
+                (32, 20, 37, 0.0),
+                (128, 5, 70, 0.0),
+                (256, 3, 41, 30.0),
+                (72, 4, 19, 0.0),
+            ] {
+                let kvd = 2 * hd; // two KV heads; the second is used
+                let k: Vec<u16> = noise(1, ncell * kvd)
+                    .iter()
+                    .map(|&x| f32_to_f16(x))
+                    .collect();
+                let v: Vec<u16> = noise(2, ncell * kvd)
+                    .iter()
+                    .map(|&x| f32_to_f16(x))
+                    .collect();
+                let pos: Vec<u32> = (0..ncell as u32).collect();
+                let q = noise(3, nq * hd);
+                let scale = 1.0 / (hd as f32).sqrt();
+                let h = HeadAttn {
+                    q: &[],
+                    k: &k,
+                    v: &v,
+                    stride: kvd,
+                    offset: hd,
+                    pos: &pos,
+                    min_pos: 0,
+                    max_pos: 0,
+                    scale: if softcap != 0.0 {
+                        scale / softcap
+                    } else {
+                        scale
+                    },
+                    softcap,
+                    native_f16: false,
+                };
+                // query j sees cells up to ncell - 1 - 3j, every third one a window of 16
+                let bounds: Vec<(u32, u32)> = (0..nq)
+                    .map(|j| {
+                        let hi = (ncell - 1).saturating_sub(3 * j) as u32;
+                        let lo = if j % 3 == 2 { hi.saturating_sub(15) } else { 0 };
+                        (lo, hi)
+                    })
+                    .collect();
+                let mut outs = vec![0f32; nq * hd];
+                let mut queries: Vec<GroupQuery<'_>> = outs
+                    .chunks_mut(hd)
+                    .enumerate()
+                    .map(|(j, out)| GroupQuery {
+                        q: &q[j * hd..(j + 1) * hd],
+                        min_pos: bounds[j].0,
+                        max_pos: bounds[j].1,
+                        out,
+                    })
+                    .collect();
+                attend_group(isa, &h, &mut queries);
+                drop(queries);
+                for j in 0..nq {
+                    let one = HeadAttn {
+                        q: &q[j * hd..(j + 1) * hd],
+                        min_pos: bounds[j].0,
+                        max_pos: bounds[j].1,
+                        ..h
+                    };
+                    let mut want = vec![0f32; hd];
+                    attend_head(isa, &one, &mut want);
+                    let got = &outs[j * hd..(j + 1) * hd];
+                    let amax = want.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                    assert!(amax > 0.0, "{isa:?} hd {hd} query {j}: empty output");
+                    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 4e-3 * amax,
+                            "{isa:?} hd {hd} query {j} value {i}: grouped {g}, one query {w}"
+                        );
+                    }
+                }
+            }
         }
     }
 }
