@@ -223,6 +223,39 @@ mod x86 {
         }
     }
 
+    /// One query's scaled scores of a chunk's cells (`sc`), in cell order, as
+    /// [`crate::kernels::attn::online_step`] takes them: each visible cell (bit of `mk`)
+    /// gets the exponent argument `m - s` where its score `s` is a new maximum (its bit set
+    /// in the returned mask: the accumulator is rescaled) and `s - m` otherwise; `m` ends at
+    /// the chunk's maximum.
+    #[inline(always)]
+    fn scan_chunk(sc: &[f32], mk: u32, m: &mut f32, arg: &mut [f32]) -> u32 {
+        let mut resc = 0u32;
+        for (c, (&s, a)) in sc.iter().zip(arg.iter_mut()).enumerate() {
+            if mk & (1 << c) == 0 {
+                continue;
+            }
+            if s > *m {
+                *a = *m - s;
+                resc |= 1 << c;
+                *m = s;
+            } else {
+                *a = s - *m;
+            }
+        }
+        resc
+    }
+
+    /// `exp` of the visible cells' arguments (glibc's `expf`), where no vector `exp` is used.
+    #[inline(always)]
+    fn exp_visible(arg: &[f32], mk: u32, ex: &mut [f32]) {
+        for (c, (&a, e)) in arg.iter().zip(ex.iter_mut()).enumerate() {
+            if mk & (1 << c) != 0 {
+                *e = a.exp();
+            }
+        }
+    }
+
     pub(super) const MAX_Q: usize = 16;
     const CH: usize = 16;
 
@@ -443,34 +476,14 @@ mod x86 {
                     }
                 }
                 let mut arg = [0f32; 16];
-                let mut rj = 0u32;
-                let mut mj = m[j];
-                for c in 0..nc {
-                    if mk & (1 << c) == 0 {
-                        continue;
-                    }
-                    let s = sc[c];
-                    if s > mj {
-                        arg[c] = mj - s;
-                        rj |= 1 << c;
-                        mj = s;
-                    } else {
-                        arg[c] = s - mj;
-                    }
-                }
-                m[j] = mj;
-                resc[j] = rj;
+                resc[j] = scan_chunk(&sc[..nc], mk, &mut m[j], &mut arg[..nc]);
                 if vexp {
                     _mm512_storeu_ps(
                         ex[j].as_mut_ptr(),
                         super::super::vexp::x86::exp16(_mm512_loadu_ps(arg.as_ptr())),
                     );
                 } else {
-                    for c in 0..nc {
-                        if mk & (1 << c) != 0 {
-                            ex[j][c] = arg[c].exp();
-                        }
-                    }
+                    exp_visible(&arg[..nc], mk, &mut ex[j]);
                 }
             }
             // phase 2: weighted values into the f16 accumulators, several queries at a time
@@ -730,34 +743,14 @@ mod x86 {
                     }
                 }
                 let mut arg = [0f32; 8];
-                let mut rj = 0u32;
-                let mut mj = m[j];
-                for c in 0..nc {
-                    if mk & (1 << c) == 0 {
-                        continue;
-                    }
-                    let s = sc[c];
-                    if s > mj {
-                        arg[c] = mj - s;
-                        rj |= 1 << c;
-                        mj = s;
-                    } else {
-                        arg[c] = s - mj;
-                    }
-                }
-                m[j] = mj;
-                resc[j] = rj;
+                resc[j] = scan_chunk(&sc[..nc], mk, &mut m[j], &mut arg[..nc]);
                 if vexp {
                     _mm256_storeu_ps(
                         ex[j].as_mut_ptr(),
                         super::super::vexp::x86::exp8(_mm256_loadu_ps(arg.as_ptr())),
                     );
                 } else {
-                    for c in 0..nc {
-                        if mk & (1 << c) != 0 {
-                            ex[j][c] = arg[c].exp();
-                        }
-                    }
+                    exp_visible(&arg[..nc], mk, &mut ex[j]);
                 }
             }
             // phase 2: weighted values into the f16 accumulators, several queries at a time
