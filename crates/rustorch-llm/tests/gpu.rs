@@ -146,6 +146,26 @@ fn check(name: &str, r: &Report) {
     assert!(r.top1 >= 0.98, "{name}: top-1 agreement {}", r.top1);
 }
 
+/// SmolLM2 and the GGUFs named in `RUSTORCH_GPU_MODELS` (comma-separated).
+fn gpu_models() -> Vec<std::path::PathBuf> {
+    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
+    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
+    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
+    models
+}
+
+/// Steps whose logits are not equal to the bit.
+fn differing_steps(a: &[Vec<f32>], b: &[Vec<f32>]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| {
+            x.iter()
+                .zip(y.iter())
+                .any(|(p, q)| p.to_bits() != q.to_bits())
+        })
+        .count()
+}
+
 /// Greedy decode logits of `steps` steps after each prompt, on `gpu` as it is set.
 fn decode_logits(gpu: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
     let rt = Runtime::new(2);
@@ -172,10 +192,7 @@ fn megakernel_equals_graphs() {
         return;
     }
     let prompts = fixture_prompts();
-    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
-    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
-    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
-    for path in models {
+    for path in gpu_models() {
         let Some((_, gpu, tok)) = open(&path) else {
             continue;
         };
@@ -201,15 +218,7 @@ fn megakernel_equals_graphs() {
             "the persistent kernel ran too few steps"
         );
         assert_eq!(after.mega, mid.mega);
-        let bad = mega
-            .iter()
-            .zip(&graphs)
-            .filter(|(a, b)| {
-                a.iter()
-                    .zip(b.iter())
-                    .any(|(x, y)| x.to_bits() != y.to_bits())
-            })
-            .count();
+        let bad = differing_steps(&mega, &graphs);
         assert_eq!(
             bad,
             0,
@@ -263,10 +272,7 @@ fn early_launch_two_caches() {
         return;
     }
     let prompts = fixture_prompts();
-    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
-    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
-    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
-    for path in models {
+    for path in gpu_models() {
         let Some((_, gpu, tok)) = open(&path) else {
             continue;
         };
@@ -289,15 +295,7 @@ fn early_launch_two_caches() {
             after.early - before.early,
             after.early_missed - before.early_missed
         );
-        let bad = early
-            .iter()
-            .zip(&checked)
-            .filter(|(x, y)| {
-                x.iter()
-                    .zip(y.iter())
-                    .any(|(p, q)| p.to_bits() != q.to_bits())
-            })
-            .count();
+        let bad = differing_steps(&early, &checked);
         assert_eq!(bad, 0, "{bad} steps' logits differ with early launches");
     }
 }
@@ -311,10 +309,7 @@ fn early_launch_equals_checked_replay() {
         return;
     }
     let prompts = fixture_prompts();
-    let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
-    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
-    models.extend(extra.split(',').filter(|p| !p.is_empty()).map(Into::into));
-    for path in models {
+    for path in gpu_models() {
         let Some((_, gpu, tok)) = open(&path) else {
             continue;
         };
@@ -338,15 +333,7 @@ fn early_launch_equals_checked_replay() {
         );
         assert_eq!(before.early, 0, "early launches while switched off");
         assert!(hits >= 60, "only {hits} of 96 steps launched early");
-        let bad = early
-            .iter()
-            .zip(&checked)
-            .filter(|(a, b)| {
-                a.iter()
-                    .zip(b.iter())
-                    .any(|(x, y)| x.to_bits() != y.to_bits())
-            })
-            .count();
+        let bad = differing_steps(&early, &checked);
         assert_eq!(bad, 0, "{bad} steps' logits differ with early launches");
     }
 }

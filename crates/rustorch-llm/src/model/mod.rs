@@ -852,41 +852,31 @@ impl Model {
         }
     }
 
+    /// `f` of the model's GPU state (its lock held) when the model runs on a GPU.
+    fn with_cuda_state<T>(&self, f: impl FnOnce(&mut CudaState) -> T) -> Option<T> {
+        match &self.placed {
+            Placed::Cpu(_) => None,
+            Placed::Cuda(c) => Some(f(&mut c.state.lock().unwrap_or_else(|p| p.into_inner()))),
+        }
+    }
+
     /// How the GPU's forward calls ran (graph replays, captures, op by op, host times)
     /// when the model runs on one.
     pub fn cuda_graph_stats(&self) -> Option<rustorch_cuda::GraphStats> {
-        match &self.placed {
-            Placed::Cpu(_) => None,
-            Placed::Cuda(c) => Some(
-                c.state
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .graph_stats(),
-            ),
-        }
+        self.with_cuda_state(|s| s.graph_stats())
     }
 
     /// On the GPU with `RUSTORCH_CUDA_MEGA=1`: whether decode steps may run as one
     /// persistent kernel or replay CUDA graphs; nothing otherwise.
     pub fn set_cuda_megakernel(&self, on: bool) {
-        if let Placed::Cuda(c) = &self.placed {
-            c.state
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .set_mega(on);
-        }
+        self.with_cuda_state(|s| s.set_mega(on));
     }
 
     /// On the GPU: whether a decode step may launch the last step's CUDA graph before its
     /// dry run confirms it (on by default unless `RUSTORCH_CUDA_EARLY=0`); nothing
     /// otherwise.
     pub fn set_cuda_early_launch(&self, on: bool) {
-        if let Placed::Cuda(c) = &self.placed {
-            c.state
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .set_early(on);
-        }
+        self.with_cuda_state(|s| s.set_early(on));
     }
 
     /// The GPU's name when the model runs on one.
