@@ -343,8 +343,10 @@ pub(crate) const EARLY_PAUSE: u32 = 64;
 
 /// Whether a decode step may launch the graph of the step before it ahead of its own dry
 /// run (`RUSTORCH_CUDA_EARLY=0` turns it off).
+/// (Read once: it is asked on every decode step.)
 pub(crate) fn early_enabled() -> bool {
-    std::env::var("RUSTORCH_CUDA_EARLY").map_or(true, |v| v != "0")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_EARLY").map_or(true, |v| v != "0"))
 }
 
 /// Whether graphs are on (`RUSTORCH_CUDA_GRAPHS=0` turns them off).
