@@ -432,7 +432,7 @@ __device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 
         if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
         float ms = 1.0f, vs = 1.0f;
         if (s > m) {
-            ms = expf(m - s);
+            ms = expf_glibc(m - s);
             m = s;
             const double ms16 = (double)h2f(f2h(ms));
 #pragma unroll
@@ -442,7 +442,7 @@ __device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 
                                  : h2f(f2h(__fmul_rn(acc[e], ms)));
             }
         } else {
-            vs = expf(s - m);
+            vs = expf_glibc(s - m);
         }
         const double vs16 = (double)h2f(f2h(vs));
 #pragma unroll

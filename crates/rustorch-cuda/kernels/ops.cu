@@ -153,14 +153,11 @@ extern "C" __global__ void softcap_f32(float *x, float cap, long long n) {
     if (i < n) x[i] = __fmul_rn(tanhf(__fmul_rn(x[i], 1.0f / cap)), cap);
 }
 
-// gate = silu(gate) * up
+// gate = silu(gate) * up, SiLU as ggml's CPU backend computes it (exact.cu)
 extern "C" __global__ void swiglu(float *gate, const float *__restrict__ up, long long n) {
     PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        const float g = gate[i];
-        gate[i] = __fmul_rn(__fdiv_rn(g, 1.0f + expf(-g)), up[i]);
-    }
+    if (i < n) gate[i] = __fmul_rn(silu_ggml(gate[i]), up[i]);
 }
 
 // gate = gelu(gate) * up, ggml's tanh approximation

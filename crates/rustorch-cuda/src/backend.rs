@@ -57,6 +57,47 @@ pub struct CudaAngles {
     pos: GpuVec<u32>,
     cos: GpuVec<f32>,
     sin: GpuVec<f32>,
+    /// With `RUSTORCH_CUDA_EXACT=1`: every position's angles as the host computes them.
+    table: RopeTable,
+}
+
+/// The host's RoPE angles ([`Rope::angles`]) of positions `0..n_pos` on the device, for
+/// the rotation parameters and frequency factors of `key`.
+#[derive(Default)]
+struct RopeTable {
+    key: Option<RopeKey>,
+    n_pos: usize,
+    cos: GpuVec<f32>,
+    sin: GpuVec<f32>,
+}
+
+/// What a table of angles depends on: rotated dimensions, base, scale, YaRN's parameters
+/// (as bits) and the frequency factors' buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RopeKey {
+    n_rot: usize,
+    bits: [u32; 6],
+    freqs: (u64, usize),
+}
+
+impl RopeKey {
+    fn of(rope: &Rope, freqs: Option<&GpuVec<f32>>) -> Self {
+        let y = rope.yarn.map_or([0.0; 4], |y| {
+            [y.ext_factor, y.corr_dims[0], y.corr_dims[1], y.mscale]
+        });
+        RopeKey {
+            n_rot: rope.n_rot,
+            bits: [
+                rope.freq_base.to_bits(),
+                rope.freq_scale.to_bits(),
+                y[0].to_bits(),
+                y[1].to_bits(),
+                y[2].to_bits(),
+                y[3].to_bits(),
+            ],
+            freqs: freqs.map_or((0, 0), |f| (f.ptr(), f.len())),
+        }
+    }
 }
 
 /// Called with (llama.cpp's tensor name, layer, values) at each step of the graph.
@@ -434,7 +475,61 @@ impl<'a> Cuda<'a> {
     /// Whether products and norms may be held back for folding (one token, no hook, not the
     /// persistent kernel; `RUSTORCH_CUDA_FOLD=0` turns it off).
     fn fold_ok(&self) -> bool {
-        self.hook.is_none() && crate::kernels::fold_enabled() && !crate::kernels::arith().mega
+        let a = crate::kernels::arith();
+        self.hook.is_none() && crate::kernels::fold_enabled() && !a.mega && !a.exact
+    }
+
+    /// [`Backend::rope_angles`] with the host's angles (`RUSTORCH_CUDA_EXACT=1`): looked up
+    /// in a table of every position so far, made on the host (glibc's cosf and sinf, as the
+    /// CPU backend) and grown, outside recorded steps, when a position passes its end.
+    fn exact_angles(
+        &mut self,
+        rope: &Rope,
+        positions: &[u32],
+        freqs: Option<&GpuVec<f32>>,
+        out: &mut CudaAngles,
+    ) -> Result<(), CudaError> {
+        let dev = self.dev;
+        let half = rope.n_rot / 2;
+        let need = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        let key = RopeKey::of(rope, freqs);
+        let t = &mut out.table;
+        if t.key != Some(key) || t.n_pos < need {
+            let n_pos = need.next_power_of_two().max(4096);
+            let ff = match freqs {
+                Some(f) => Some(f.read(dev)?),
+                None => None,
+            };
+            let (mut c, mut s) = (vec![0f32; n_pos * half], vec![0f32; n_pos * half]);
+            for p in 0..n_pos {
+                let r = p * half..(p + 1) * half;
+                rope.angles(p as f32, ff.as_deref(), &mut c[r.clone()], &mut s[r]);
+            }
+            t.key = None;
+            t.cos.write(dev, &c)?;
+            t.sin.write(dev, &s)?;
+            t.key = Some(key);
+            t.n_pos = n_pos;
+        }
+        let inp = &self.st().inp;
+        let p = if inp.valid && inp.positions == positions {
+            inp.at(inp.pos_off)
+        } else {
+            out.pos.write(dev, positions)?;
+            out.pos.ptr()
+        };
+        // SAFETY: `p` holds the batch's positions (prepared, or just written).
+        unsafe {
+            dev.rope_table_at(
+                p,
+                positions.len(),
+                half,
+                &out.table.cos,
+                &out.table.sin,
+                &mut out.cos,
+                &mut out.sin,
+            )
+        }
     }
 
     /// Launches a deferred product.
@@ -1052,6 +1147,11 @@ impl<'a> Backend for Cuda<'a> {
         out: &mut CudaAngles,
     ) {
         self.touch();
+        if crate::kernels::arith().exact {
+            let r = self.exact_angles(rope, positions, freqs, out);
+            self.keep(r);
+            return;
+        }
         let dev = self.dev;
         let inp = &self.st().inp;
         let r = if inp.valid && inp.positions == positions {

@@ -17,9 +17,10 @@ use crate::mega::MegaModule;
 use crate::nvrtc::{self, Image, Nvrtc};
 
 /// The kernel sources, compiled together as one program (common.cuh first).
-pub const KERNEL_SOURCES: [(&str, &str); 4] = [
+pub const KERNEL_SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("quant.cu", include_str!("../kernels/quant.cu")),
+    ("exact.cu", include_str!("../kernels/exact.cu")),
     ("ops.cu", include_str!("../kernels/ops.cu")),
     ("attn.cu", include_str!("../kernels/attn.cu")),
 ];

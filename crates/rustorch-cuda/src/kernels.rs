@@ -44,12 +44,20 @@ const GLUQ_THREADS: u32 = 512;
 /// to f16 after every update) instead of the split f32 kernel: slower, for comparisons.
 /// `RUSTORCH_CUDA_DECODE=tiled` runs one-token products with the multi-token kernels
 /// (several threads per row, shared-memory sums) instead of a warp per row: for comparisons.
+/// `RUSTORCH_CUDA_EXACT=1` computes as the CPU backend does, bit for bit where the formats
+/// allow (see [`Arith::exact`]).
 /// `RUSTORCH_CUDA_MEGA=1` runs decode steps as one persistent kernel (see [`crate::mega`];
 /// slower than graphs so far) and launches RMSNorm with its block size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arith {
     pub q8_cpu: bool,
     pub attn_cpu: bool,
+    /// The CPU backend's arithmetic op by op (kernels/exact.cu): products of the legacy
+    /// formats and Q6_K in the CPU's lane and block order (Q6_K against Q8_K activations),
+    /// SiLU and the softmax's `expf` as the CPU's, RoPE angles from the host, attention as
+    /// `attn_cpu`, no folded norms or fused gate/up launches. Other formats keep the fast
+    /// kernels.
+    pub exact: bool,
     pub decode_kernels: bool,
     pub mega: bool,
     /// Programmatic dependent launch (`RUSTORCH_CUDA_PDL`: `0` off, `1` on, default on with
@@ -76,7 +84,8 @@ pub fn arith() -> Arith {
         let var = |k: &str| std::env::var(k).unwrap_or_default();
         Arith {
             q8_cpu: var("RUSTORCH_CUDA_Q8") != "f32",
-            attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu",
+            attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu" || var("RUSTORCH_CUDA_EXACT") == "1",
+            exact: var("RUSTORCH_CUDA_EXACT") == "1",
             decode_kernels: var("RUSTORCH_CUDA_DECODE") != "tiled",
             mega: var("RUSTORCH_CUDA_MEGA") == "1",
             pdl: match var("RUSTORCH_CUDA_PDL").as_str() {
@@ -129,6 +138,8 @@ pub fn supports(ty: GgmlType) -> bool {
 pub fn kernel_names() -> Vec<String> {
     let mut v: Vec<String> = [
         "quantize_q8_1",
+        "quantize_q8_k",
+        "rope_table",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -161,6 +172,11 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("mmvq1g_{s}"));
         }
         v.push(format!("get_rows_{s}"));
+    }
+    for (ty, s) in FORMATS {
+        if exact_kind(ty).is_some() {
+            v.push(format!("mmve_{s}"));
+        }
     }
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
@@ -202,6 +218,34 @@ pub struct Scratch {
     /// ([`CudaDevice::add_rms_norm`]).
     pub(crate) acts_of: Option<(u64, usize, usize)>,
     alt: bool,
+    /// Activations quantized for the exact products (codes; per block d and s, or per 256
+    /// values d).
+    eq: GpuVec<i8>,
+    eds: GpuVec<f32>,
+}
+
+/// The activation format of an exact product ([`Arith::exact`]) of weights of type `ty`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExactActs {
+    /// Q8_0 / Q8_1 blocks of 32 with the CPU's rule (`quantize_q8_1`, cpu = 1).
+    Q8,
+    /// Q8_K blocks of 256.
+    Q8K,
+}
+
+/// (Q4_K: the CPU's repacked kernels, rows a multiple of 8; other Q4_K matrices keep the fast
+/// kernel.)
+fn exact_kind(ty: GgmlType) -> Option<ExactActs> {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => Some(ExactActs::Q8),
+        Q4_K | Q6_K => Some(ExactActs::Q8K),
+        _ => None,
+    }
+}
+
+fn exact_ok(w: &CudaMatrix) -> bool {
+    exact_kind(w.ty).is_some() && (w.ty != GgmlType::Q4_K || w.n_rows.is_multiple_of(8))
 }
 
 impl Scratch {
@@ -538,6 +582,9 @@ impl CudaDevice {
             )));
         }
         let n_tok = x.len() / n_cols;
+        if arith().exact && ws.iter().all(|w| exact_ok(w)) {
+            return self.mmv_exact(ws, x, n_tok, outs, s);
+        }
         if ws.iter().any(|w| !is_float(w.ty)) {
             self.quantize_acts(x, n_tok, n_cols, s)?;
         }
@@ -556,6 +603,87 @@ impl CudaDevice {
                 self.mmv_float(w, x, n_tok, out)?;
             } else {
                 self.mmvq(&[w], n_tok, &mut [&mut **out], 0, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Products with the CPU's arithmetic ([`Arith::exact`]): `x` quantized as the CPU
+    /// quantizes it for each format, then a warp per row and token (`mmve_*`).
+    fn mmv_exact(
+        &self,
+        ws: &[&CudaMatrix],
+        x: &GpuVec<f32>,
+        n_tok: usize,
+        outs: &mut [&mut GpuVec<f32>],
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let n_cols = ws[0].n_cols;
+        let mut done: Option<(ExactActs, usize)> = None;
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            let (Some(kind), Some(st)) = (exact_kind(w.ty), stem(w.ty)) else {
+                return Err(CudaError::Unsupported(format!("exact product of {}", w.ty)));
+            };
+            // the CPU's Q4_K gemm rows (their own activation rule and float steps), Q6_K's
+            // tiled kernel from 8 rows
+            let n_gemm = n_tok - n_tok % 4;
+            let (n_4x8, mode) = match w.ty {
+                GgmlType::Q4_K => (n_gemm, n_gemm as i32),
+                GgmlType::Q6_K => (0, i32::from(n_tok >= 8)),
+                _ => (0, 0),
+            };
+            let (xp, nc) = (x.ptr(), n_cols as i32);
+            if done != Some((kind, n_4x8)) {
+                s.eq.resize(self, n_tok * n_cols)?;
+                let (eq, eds) = match kind {
+                    ExactActs::Q8 => {
+                        s.eds.resize(self, n_tok * n_cols / 32 * 2)?;
+                        (s.eq.ptr(), s.eds.ptr())
+                    }
+                    ExactActs::Q8K => {
+                        if !n_cols.is_multiple_of(256) {
+                            return Err(CudaError::Unsupported(format!(
+                                "Q8_K activations of rows of {n_cols}"
+                            )));
+                        }
+                        s.eds.resize(self, n_tok * n_cols / 256)?;
+                        (s.eq.ptr(), s.eds.ptr())
+                    }
+                };
+                let cpu = 1i32;
+                match kind {
+                    ExactActs::Q8 => self.launch(
+                        "quantize_q8_1",
+                        (blocks(n_cols / 32, 8), n_tok as u32, 1),
+                        256,
+                        &[&xp, &eq, &eds, &nc, &cpu],
+                    )?,
+                    ExactActs::Q8K => {
+                        let n4 = n_4x8 as i32;
+                        self.launch(
+                            "quantize_q8_k",
+                            (blocks(n_cols / 256, 4), n_tok as u32, 1),
+                            128,
+                            &[&xp, &eq, &eds, &nc, &n4],
+                        )?
+                    }
+                }
+                done = Some((kind, n_4x8));
+            }
+            out.resize(self, n_tok * w.n_rows)?;
+            let (wp, eq, eds, op, nr) = (
+                w.data.ptr(),
+                s.eq.ptr(),
+                s.eds.ptr(),
+                out.ptr(),
+                w.n_rows as i32,
+            );
+            let grid = (blocks(w.n_rows, 4), n_tok as u32, 1);
+            let name = format!("mmve_{st}");
+            if kind == ExactActs::Q8K {
+                self.launch(&name, grid, 128, &[&wp, &eq, &eds, &op, &nr, &nc, &mode])?;
+            } else {
+                self.launch(&name, grid, 128, &[&wp, &eq, &eds, &op, &nr, &nc])?;
             }
         }
         Ok(())
@@ -824,6 +952,9 @@ impl CudaDevice {
                 None,
             ));
         }
+        if arith().exact {
+            return None;
+        }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
         }
@@ -1075,6 +1206,35 @@ impl CudaDevice {
             "rope_angles",
             n * half,
             &[&pp, &fp, &cp, &sp, &nr, &hf, &theta_scale, &fs],
+        )
+    }
+
+    /// The angles of `n` positions (u32) on the device at `pos`, looked up in a table of
+    /// `n_pos` positions made on the host (`tc`/`ts`: `half` values per position).
+    ///
+    /// # Safety
+    /// `pos` must hold `n` positions.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_table_at(
+        &self,
+        pos: u64,
+        n: usize,
+        half: usize,
+        tc: &GpuVec<f32>,
+        ts: &GpuVec<f32>,
+        cos: &mut GpuVec<f32>,
+        sin: &mut GpuVec<f32>,
+    ) -> Result<()> {
+        let n_pos = tc.len() / half.max(1);
+        check_len("rope table", ts.len(), tc.len())?;
+        cos.resize(self, n * half)?;
+        sin.resize(self, n * half)?;
+        let (tcp, tsp, cp, sp) = (tc.ptr(), ts.ptr(), cos.ptr(), sin.ptr());
+        let (nr, hf, np) = (n as i32, half as i32, n_pos as i32);
+        self.launch_1d(
+            "rope_table",
+            n * half,
+            &[&pos, &tcp, &tsp, &cp, &sp, &nr, &hf, &np],
         )
     }
 

@@ -1,0 +1,376 @@
+// The CPU backend's arithmetic on the GPU, bit for bit (RUSTORCH_CUDA_EXACT=1): the float
+// steps of llama.cpp's x86 CPU kernels as rustorch-core reproduces them, op by op, so that a
+// decode step gives the CPU's logits to the last bit instead of values within rounding.
+// Every float operation is an explicit round-to-nearest intrinsic (no contraction into
+// fused multiply-adds that the CPU does not do).
+//
+//   - expf_glibc: glibc's expf (FMA build), as f32::exp on the host (vexp.rs).
+//   - expf_ggml:  ggml's vectorised expf (gexp.rs), for SiLU.
+//   - mmve_*:     products as dot::dot_legacy / dot::dot_q6_k: per block of 32 (legacy) or
+//                 256 (Q6_K) eight exact integer lane sums (lane l: values 4l..4l+3 of each
+//                 32), fused-multiply-added into eight f32 accumulators in block order with
+//                 the block's scale d_w * d_a, then ggml's hsum_float_8 (+ the Q4_1/Q5_1
+//                 minimum term, its own fused chain).
+//   - quantize_q8_k: ggml's quantize_row_q8_K_ref.
+//   - rope_table: the host's angles (Rope::angles, glibc cosf/sinf) looked up by position.
+
+__device__ __constant__ unsigned long long EXP2F_TAB[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+// glibc's expf: x·32/ln2 split into k and r in f64, 2^(k/32) from the table, a cubic in r,
+// one rounding to f32.
+__device__ __forceinline__ float expf_glibc(float x) {
+    const u32 abstop = (__float_as_uint(x) >> 20) & 0x7ff;
+    if (abstop > 0x42a) {  // |x| >= 88, infinities, NaN
+        if (__float_as_uint(x) == 0xff800000u) return 0.0f;
+        if (abstop >= 0x7f8) return __fadd_rn(x, x);
+        if (x > 88.72283172607421875f) return __uint_as_float(0x7f800000u);
+        if (x < -103.972076416015625f) return 0.0f;
+    }
+    const double inv = __longlong_as_double(0x40471547652b82fell);
+    const double shift = __longlong_as_double(0x4338000000000000ll);
+    const double xd = (double)x;
+    double kd = __fma_rn(inv, xd, shift);
+    const unsigned long long ki = (unsigned long long)__double_as_longlong(kd);
+    kd = __dsub_rn(kd, shift);
+    const double r = __fma_rn(inv, xd, -kd);
+    const unsigned long long t = EXP2F_TAB[ki & 31] + (ki << 47);
+    const double s = __longlong_as_double((long long)t);
+    const double z = __fma_rn(r, __longlong_as_double(0x3ebc6af84b912394ll),
+                              __longlong_as_double(0x3f2ebfce50fac4f3ll));
+    const double r2 = __dmul_rn(r, r);
+    double y = __fma_rn(r, __longlong_as_double(0x3f962e42ff0c52d6ll), 1.0);
+    y = __fma_rn(z, r2, y);
+    return __double2float_rn(__dmul_rn(y, s));
+}
+
+// ggml's ggml_v_expf, one lane (gexp::expf).
+__device__ __forceinline__ float expf_ggml(float x) {
+    const float shift = 12582912.0f;
+    const float z = __fmaf_rn(x, __uint_as_float(0x3fb8aa3bu), shift);
+    const float n = __fsub_rn(z, shift);
+    const float b = __fmaf_rn(-n, __uint_as_float(0x35bfbe8eu),
+                              __fmaf_rn(-n, __uint_as_float(0x3f317200u), x));
+    const float u = __fmul_rn(b, b);
+    const float j = __fmaf_rn(
+        __fmaf_rn(__fmaf_rn(__uint_as_float(0x3c072010u), b, __uint_as_float(0x3d2b9f17u)), u,
+                  __fmaf_rn(__uint_as_float(0x3e2aaf33u), b, __uint_as_float(0x3efffedbu))),
+        u, __fmaf_rn(__uint_as_float(0x3f7ffff6u), b, 1.0f));
+    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : __uint_as_float(0x7f800000u);
+    if (n != n) return n;
+    // j · 2^n, exact in f64, rounded once
+    const double p2 = __longlong_as_double((long long)((int)n + 1023) << 52);
+    return __double2float_rn(__dmul_rn((double)j, p2));
+}
+
+// silu(x) = x / (1 + expf(0 - x)) as ggml_v_silu.
+__device__ __forceinline__ float silu_ggml(float x) {
+    return __fdiv_rn(x, __fadd_rn(1.0f, expf_ggml(__fsub_rn(0.0f, x))));
+}
+
+// ---------------------------------------------------------------------------------------
+// Products. One warp per row, grid (ceil(n_rows / MMVE_WARPS), n_tok). Each pass the 32
+// threads decode 32 consecutive groups (coalesced) into integer lane sums kept in shared
+// memory; then threads 0..7 (one per lane) run the accumulator chains in block order.
+
+#define MMVE_WARPS 4
+
+// ggml's hsum_float_8 of the accumulators held by lanes 0..7: lane 0 gets
+// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+__device__ __forceinline__ float hsum8_lanes(float acc) {
+    const float r = __fadd_rn(acc, __shfl_down_sync(FULL_MASK, acc, 4));
+    const float p = __fadd_rn(r, __shfl_down_sync(FULL_MASK, r, 2));
+    return __fadd_rn(p, __shfl_down_sync(FULL_MASK, p, 1));
+}
+
+// Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
+// rule (ads: per block d and s, each rounded to f16).
+template <class F, bool MIN>
+__device__ __forceinline__ void mmve_legacy(const u8 *__restrict__ W, const i8 *__restrict__ aq,
+                                            const float2 *__restrict__ ads,
+                                            float *__restrict__ out, int n_rows, int n_cols) {
+    __shared__ float lanes[MMVE_WARPS][32][9];
+    __shared__ float mins[MMVE_WARPS][32][2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * MMVE_WARPS + warp;
+    const int t = blockIdx.y;
+    if (row >= n_rows) return;
+    const int nb = n_cols >> 5;
+    const u8 *wr = W + (size_t)row * nb * F::BYTES;
+    const i8 *a = aq + (size_t)t * n_cols;
+    const float2 *ad = ads + (size_t)t * nb;
+    float acc = 0.0f, summs = 0.0f;
+    for (int b0 = 0; b0 < nb; b0 += 32) {
+        const int b = b0 + lane;
+        if (b < nb) {
+            Group g;
+            F::decode(wr + (size_t)b * F::BYTES, 0, g);
+            const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
+            const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
+            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float2 ds = ad[b];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int s = dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0));
+                lanes[warp][lane][k] = __int2float_rn(s);
+            }
+            lanes[warp][lane][8] = __fmul_rn(g.d0, ds.x);
+            if (MIN) {
+                mins[warp][lane][0] = g.m0;
+                mins[warp][lane][1] = ds.y;
+            }
+        }
+        __syncwarp();
+        const int n = min(32, nb - b0);
+        if (lane < 8) {
+            for (int j = 0; j < n; j++)
+                acc = __fmaf_rn(lanes[warp][j][8], lanes[warp][j][lane], acc);
+        } else if (MIN && lane == 8) {
+            for (int j = 0; j < n; j++)
+                summs = __fmaf_rn(mins[warp][j][0], mins[warp][j][1], summs);
+        }
+        __syncwarp();
+    }
+    const float sum = hsum8_lanes(acc);
+    const float sm = __shfl_sync(FULL_MASK, summs, 8);
+    if (lane == 0) out[(size_t)t * n_rows + row] = MIN ? __fadd_rn(sum, sm) : sum;
+}
+
+// Q6_K against Q8_K activations (dq: per 256 values the f32 scale): per super-block eight
+// lane sums (dot::q6k_lanes: lane l holds sc * q * a of values 4l..4l+3 of every 32, q
+// unsigned, minus 32 * sc * a over sub-blocks 2l and 2l + 1), one fused multiply-add each
+// with d_a * d_w.
+//
+// With `tiled` (batches of 8+ rows, the CPU's q6k_tiled): one accumulator per output,
+// acc = fma(f32(s1) * d_w, d_a, acc) per super-block, s1 the super-block's whole integer sum.
+__device__ __forceinline__ void mmve_q6k(const u8 *__restrict__ W, const i8 *__restrict__ aq,
+                                         const float *__restrict__ dq, float *__restrict__ out,
+                                         int n_rows, int n_cols, int tiled) {
+    __shared__ int lanes[MMVE_WARPS][32][8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * MMVE_WARPS + warp;
+    const int t = blockIdx.y;
+    if (row >= n_rows) return;
+    const int nsb = n_cols >> 8, ng = n_cols >> 5;
+    const u8 *wr = W + (size_t)row * nsb * 210;
+    const i8 *a = aq + (size_t)t * n_cols;
+    const float *d = dq + (size_t)t * nsb;
+    float acc = 0.0f;
+    for (int g0 = 0; g0 < ng; g0 += 32) {
+        const int gi = g0 + lane;
+        if (gi < ng) {
+            const u8 *blk = wr + (size_t)(gi >> 3) * 210;
+            const int g = gi & 7;
+            Group w;
+            FQ6_K::decode(blk, g, w);
+            const i8 *sc = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
+            const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+            const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            // ggml puts the -32 offset of sub-blocks 2l and 2l + 1 (this group's halves when
+            // l = g) into lane l
+            int corr = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) corr += (int)sc[k >> 2] * dp4a(0x01010101, av[k], 0);
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                lanes[warp][lane][k] = (int)sc[k >> 2] * dp4a(w.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+        }
+        __syncwarp();
+        const int n = min(32, ng - g0);
+        if (tiled) {
+            if (lane == 0) {
+                for (int j = 0; j < n; j += 8) {
+                    int s1 = 0;
+                    for (int q = 0; q < 64; q++) s1 += lanes[warp][j + (q >> 3)][q & 7];
+                    const int sb = (g0 + j) >> 3;
+                    const float r =
+                        __fmul_rn(__int2float_rn(s1), h2f(ld_u16(wr + (size_t)sb * 210 + 208)));
+                    acc = __fmaf_rn(r, d[sb], acc);
+                }
+            }
+        } else if (lane < 8) {
+            for (int j = 0; j < n; j += 8) {
+                int s = 0;
+#pragma unroll
+                for (int q = 0; q < 8; q++) s += lanes[warp][j + q][lane];
+                const int sb = (g0 + j) >> 3;
+                const float ds = __fmul_rn(d[sb], h2f(ld_u16(wr + (size_t)sb * 210 + 208)));
+                acc = __fmaf_rn(ds, __int2float_rn(s), acc);
+            }
+        }
+        __syncwarp();
+    }
+    const float sum = tiled ? acc : hsum8_lanes(acc);
+    if (lane == 0) out[(size_t)t * n_rows + row] = sum;
+}
+
+// Q4_K (rows a multiple of 8: the CPU multiplies them as llama.cpp's repacked kernels,
+// q4k_ggml) against Q8_K activations: per super-block isum = sum of sc[s] * dot[s] and
+// imin = sum of m[s] * B[s] (B: the sub-block's activation code sum), then
+// acc = fma(f32(isum), d_w * d_a, acc), accm = fma(f32(imin), dmin_w * d_a, accm); the
+// result acc - accm. Tokens below n_gemm (the CPU's gemm rows) take the fused steps per pair
+// of sub-blocks instead of per super-block.
+__device__ __forceinline__ void mmve_q4k(const u8 *__restrict__ W, const i8 *__restrict__ aq,
+                                         const float *__restrict__ dq, float *__restrict__ out,
+                                         int n_rows, int n_cols, int n_gemm) {
+    __shared__ int sd[MMVE_WARPS][32][2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * MMVE_WARPS + warp;
+    const int t = blockIdx.y;
+    if (row >= n_rows) return;
+    const int nsb = n_cols >> 8, ng = n_cols >> 5;
+    const u8 *wr = W + (size_t)row * nsb * 144;
+    const i8 *a = aq + (size_t)t * n_cols;
+    const float *d = dq + (size_t)t * nsb;
+    const bool gemm = t < n_gemm;
+    float acc = 0.0f;  // lane 0: the scaled sums; lane 1: the mins
+    for (int g0 = 0; g0 < ng; g0 += 32) {
+        const int gi = g0 + lane;
+        if (gi < ng) {
+            const u8 *blk = wr + (size_t)(gi >> 3) * 144;
+            const int g = gi & 7;
+            Group w;
+            FQ4_K::decode(blk, g, w);
+            int sc, m;
+            scale_min_k4(blk + 4, g, sc, m);
+            const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+            const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            int dot = 0, bs = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                dot = dp4a(w.v[k], av[k], dot);
+                bs = dp4a(0x01010101, av[k], bs);
+            }
+            sd[warp][lane][0] = sc * dot;
+            sd[warp][lane][1] = m * bs;
+        }
+        __syncwarp();
+        if (lane < 2) {
+            const int n = min(32, ng - g0);
+            for (int j = 0; j < n; j += 8) {
+                const int sb = (g0 + j) >> 3;
+                const float dw = h2f(ld_u16(wr + (size_t)sb * 144 + 2 * lane));
+                const float ds = __fmul_rn(dw, d[sb]);
+                if (gemm) {
+#pragma unroll
+                    for (int p = 0; p < 4; p++) {
+                        const int v = sd[warp][j + 2 * p][lane] + sd[warp][j + 2 * p + 1][lane];
+                        acc = __fmaf_rn(__int2float_rn(v), ds, acc);
+                    }
+                } else {
+                    int v = 0;
+#pragma unroll
+                    for (int q = 0; q < 8; q++) v += sd[warp][j + q][lane];
+                    acc = __fmaf_rn(__int2float_rn(v), ds, acc);
+                }
+            }
+        }
+        __syncwarp();
+    }
+    const float accm = __shfl_sync(FULL_MASK, acc, 1);
+    if (lane == 0) out[(size_t)t * n_rows + row] = __fsub_rn(acc, accm);
+}
+
+#define MMVE_LEGACY(NAME, F, MIN)                                                             \
+    extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)                            \
+        mmve_##NAME(const u8 *W, const i8 *aq, const float2 *ads, float *out, int n_rows,    \
+                    int n_cols) {                                                            \
+        PDL_ENTRY();                                                                         \
+        mmve_legacy<F, MIN>(W, aq, ads, out, n_rows, n_cols);                                \
+    }
+
+MMVE_LEGACY(q4_0, FQ4_0, false)
+MMVE_LEGACY(q4_1, FQ4_1, true)
+MMVE_LEGACY(q5_0, FQ5_0, false)
+MMVE_LEGACY(q5_1, FQ5_1, true)
+MMVE_LEGACY(q8_0, FQ8_0, false)
+
+// (mode: Q6_K, tiled or not; Q4_K, the tokens below n_gemm)
+extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
+    mmve_q6_k(const u8 *W, const i8 *aq, const float *dq, float *out, int n_rows, int n_cols,
+              int mode) {
+    PDL_ENTRY();
+    mmve_q6k(W, aq, dq, out, n_rows, n_cols, mode);
+}
+
+extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
+    mmve_q4_k(const u8 *W, const i8 *aq, const float *dq, float *out, int n_rows, int n_cols,
+              int mode) {
+    PDL_ENTRY();
+    mmve_q4k(W, aq, dq, out, n_rows, n_cols, mode);
+}
+
+// ggml's quantize_row_q8_K_ref: per 256 values, max = the first value of largest magnitude,
+// iscale = -127 / max, q = min(127, round_half_even(iscale * x)), d = 1 / iscale. Tokens
+// below n_4x8 take ggml_quantize_mat_q8_K_4x8's rule instead (the CPU's Q4_K gemm rows):
+// iscale = -127 / amax if some value equals +amax, else 127 / amax. One warp per block of
+// 256, grid (blocks / 4, n_tok), 128 threads.
+extern "C" __global__ void quantize_q8_k(const float *__restrict__ x, i8 *__restrict__ aq,
+                                         float *__restrict__ dq, int n_cols, int n_4x8) {
+    PDL_ENTRY();
+    const int nsb = n_cols >> 8;
+    const int sb = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, t = blockIdx.y;
+    if (sb >= nsb) return;
+    const size_t base = (size_t)t * n_cols + (size_t)sb * 256;
+    float v[8];
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        v[k] = x[base + 32 * k + lane];
+        amax = fmaxf(amax, fabsf(v[k]));
+    }
+    amax = warp_max(amax);
+    int first = 256;
+#pragma unroll
+    for (int k = 7; k >= 0; k--)
+        if (fabsf(v[k]) == amax) first = min(first, 32 * k + lane);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(FULL_MASK, first, o));
+    if (amax == 0.0f) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) aq[base + 32 * k + lane] = 0;
+        if (lane == 0) dq[(size_t)t * nsb + sb] = 0.0f;
+        return;
+    }
+    float iscale;
+    if (t < n_4x8) {
+        bool pos = false;
+#pragma unroll
+        for (int k = 0; k < 8; k++) pos = pos || v[k] == amax;
+        pos = __any_sync(FULL_MASK, pos);
+        iscale = pos ? __fdiv_rn(-127.0f, amax) : __fdiv_rn(127.0f, amax);
+    } else {
+        iscale = __fdiv_rn(-127.0f, x[base + first]);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        aq[base + 32 * k + lane] =
+            (i8)max(-128, min(127, __float2int_rn(__fmul_rn(iscale, v[k]))));
+    if (lane == 0) dq[(size_t)t * nsb + sb] = __fdiv_rn(1.0f, iscale);
+}
+
+// cs/sn[r][i] = the host's table at row r's position (positions beyond the table give 0;
+// the host grows the table before any such launch).
+extern "C" __global__ void rope_table(const u32 *__restrict__ pos, const float *__restrict__ tc,
+                                      const float *__restrict__ ts, float *__restrict__ cs,
+                                      float *__restrict__ sn, int n_rows, int half, int n_pos) {
+    PDL_ENTRY();
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * half) return;
+    const int r = idx / half, i = idx % half;
+    const u32 p = pos[r];
+    const bool ok = p < (u32)n_pos;
+    cs[idx] = ok ? tc[(size_t)p * half + i] : 0.0f;
+    sn[idx] = ok ? ts[(size_t)p * half + i] : 0.0f;
+}
