@@ -151,6 +151,11 @@ pub struct DeviceArgs {
     /// default when the model fits in half the available memory
     #[arg(long = "mmap")]
     pub mmap: bool,
+    /// On the GPU, compute as the CPU backend does, bit for bit (weights in Q4_0, Q4_1, Q5_0,
+    /// Q5_1, Q8_0, Q4_K and Q6_K): the CPU's logits and text exactly, decoding about 2.5x
+    /// slower (also `RUSTORCH_CUDA_EXACT=1`)
+    #[arg(long = "gpu-exact")]
+    pub gpu_exact: bool,
 }
 
 impl Default for DeviceArgs {
@@ -162,6 +167,7 @@ impl Default for DeviceArgs {
             cache_type_v: "f16".to_string(),
             flash_attn: "auto".to_string(),
             mmap: false,
+            gpu_exact: false,
         }
     }
 }
@@ -309,6 +315,9 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
             Model::load_on(gguf.clone(), placement.0, placement.1).context("loading the model")?;
         if let Some(t) = types {
             model.set_cache_types(t)?;
+        }
+        if dev.is_some_and(|d| d.gpu_exact) {
+            model.set_cuda_exact(true);
         }
         if model.backend_name() != "CPU" {
             let hp = model.hparams();

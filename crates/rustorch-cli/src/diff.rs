@@ -41,6 +41,9 @@ pub struct Args {
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
     /// Print every tensor, not only up to the first past the tolerance
+    /// The GPU side computes as the CPU backend does, bit for bit (see `run --gpu-exact`)
+    #[arg(long = "gpu-exact")]
+    pub gpu_exact: bool,
     #[arg(long = "all")]
     pub all: bool,
     /// Testing `diff` itself: plant a known bug in side b (`rope`: positions one off)
@@ -60,6 +63,7 @@ fn run_side(
     tokens: &[u32],
     threads: usize,
     fault: Option<Fault>,
+    exact: bool,
 ) -> anyhow::Result<Trace> {
     let placement = DeviceArgs {
         device: spec.to_string(),
@@ -72,6 +76,9 @@ fn run_side(
     };
     let model = Model::load_on(gguf.clone(), placement, tokens.len() + 1)
         .with_context(|| format!("loading the model on {spec}"))?;
+    if exact {
+        model.set_cuda_exact(true);
+    }
     let trace: Arc<Mutex<Trace>> = Arc::default();
     let sink = trace.clone();
     let mut rt = Runtime::new(threads);
@@ -164,14 +171,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some("rope") => Some(Fault::RopeOffByOne),
         Some(f) => bail!("--fault-b {f}: known faults: rope"),
     };
-    let a = run_side(&gguf, &args.a, &tokens, threads, None)?;
+    let a = run_side(&gguf, &args.a, &tokens, threads, None, args.gpu_exact)?;
     let b: Lookup = match args.b.strip_prefix("dir:") {
         Some(dir) => {
             let dump = read_dir(Path::new(dir))?;
             Box::new(move |name, ours| match_dump(&dump, name, ours).map(<[f32]>::to_vec))
         }
         None => {
-            let trace = run_side(&gguf, &args.b, &tokens, threads, fault)?;
+            let trace = run_side(&gguf, &args.b, &tokens, threads, fault, args.gpu_exact)?;
             let map: HashMap<String, Vec<f32>> = trace.into_iter().collect();
             Box::new(move |name, _| map.get(name).cloned())
         }

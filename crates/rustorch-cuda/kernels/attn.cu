@@ -478,3 +478,204 @@ __device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 
 ATTN_CPU_KERNEL(2)
 ATTN_CPU_KERNEL(4)
 ATTN_CPU_KERNEL(8)
+
+// ---------------------------------------------------------------------------------------
+// attn_cpu's arithmetic, bit for bit, with the independent parts in parallel
+// (RUSTORCH_CUDA_EXACT=1). Per (head, row) block, in chunks of AE_CELLS cells:
+//   1. every visible cell's score, a half-warp per cell: lane l keeps the four running sums
+//      of elements 64b + 16k + l (k = 0..3) as the CPU's 4 x 16 lanes, then (a0 + a2) +
+//      (a1 + a3), then the lane tree of _mm512_reduce_add_ps; leftovers past a multiple of 64
+//      added in f64; times `scale`.
+//   2. the running maximum before each cell (a block-wide scan of maxima; exact), hence each
+//      cell's rescale ms and weight vs exactly as the sequential walk finds them: a new
+//      maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1, vs = expf(s - m) (glibc's
+//      expf); masked cells ms = 1, vs = 0 (skipped).
+//   3. the chains that must stay sequential: each dimension's f16 accumulator (one thread per
+//      dimension, cells in order) and the running sum S = fma(S, ms, vs) (the last warp).
+// Then out = acc * (1 / S), quantized for the next product with `quant` (as quantize_q8_1,
+// the CPU's rule). Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope`
+// (one row): rope_kv_write's work inside, as attn_rope does (q and the new k rotated here,
+// the new cell's key and value taken from shared memory, stored by each KV head's first
+// query head).
+
+#define AE_THREADS 288
+#define AE_CELLS 1024
+
+extern "C" __global__ void __launch_bounds__(AE_THREADS)
+    attn_exact(const float *__restrict__ q, const u64 *__restrict__ rows,
+               const u16 *__restrict__ K, const u16 *__restrict__ V, float *__restrict__ out,
+               int n_head, int n_head_kv, int hd, int kv_stride, float scale, float softcap,
+               u32 window, int native, i8 *__restrict__ aq, float2 *__restrict__ ads,
+               int quant, int rope, AttnRope ar) {
+    PDL_ENTRY();
+    __shared__ float qs[256];
+    __shared__ float knew[256], vnew[256];
+    __shared__ float msh[AE_CELLS];
+    __shared__ float vsh[AE_CELLS];
+    __shared__ u32 slot[AE_CELLS];
+    __shared__ float wmax[AE_THREADS / 32];
+    __shared__ float Ssh;
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const u64 *r = rows + 3 * (size_t)t;
+    const u32 *SL = (const u32 *)r[0];
+    const u32 *P = (const u32 *)r[1];
+    const int nc = (int)(r[2] & 0xffffffffull);
+    const u32 max_pos = (u32)(r[2] >> 32);
+    const u32 min_pos = (window != 0 && max_pos + 1 > window) ? max_pos + 1 - window : 0;
+    const int kvh = h / (n_head / n_head_kv);
+    const int np = hd & ~63, nb = np / 64;
+    const int npn = native ? (hd & ~127) : 0;
+    const float *qh = q + ((size_t)t * n_head + h) * hd;
+    const u32 jnew = rope ? ar.new_slot[0] : 0xffffffffu;
+    if (rope) {
+        const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
+        const int half = ar.n_rot / 2;
+        const bool store = h % (n_head / n_head_kv) == 0;
+        for (int i = tid; i < hd; i += AE_THREADS) {
+            float qv = qh[i], kv = kh[i];
+            if (i < ar.n_rot) {
+                const int pi = ar.neox ? (i < half ? i : i - half) : i / 2;
+                const int i0 = ar.neox ? pi : 2 * pi, i1 = ar.neox ? pi + half : 2 * pi + 1;
+                const float c = ar.cs[pi], sn = ar.sn[pi];
+                const float q0 = qh[i0], q1 = qh[i1], k0 = kh[i0], k1 = kh[i1];
+                qv = i == i0 ? __fmaf_rn(q0, c, -__fmul_rn(q1, sn)) : __fmaf_rn(q0, sn, __fmul_rn(q1, c));
+                kv = i == i0 ? __fmaf_rn(k0, c, -__fmul_rn(k1, sn)) : __fmaf_rn(k0, sn, __fmul_rn(k1, c));
+            }
+            qs[i] = h2f(f2h(qv));
+            const u16 kb = f2h(kv), vb = f2h(vh[i]);
+            knew[i] = h2f(kb);
+            vnew[i] = h2f(vb);
+            if (store) {
+                ar.K[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = kb;
+                ar.V[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = vb;
+            }
+        }
+    } else {
+        for (int i = tid; i < hd; i += AE_THREADS) qs[i] = h2f(f2h(qh[i]));
+    }
+    __syncthreads();
+    float acc = 0.0f;     // dimension tid
+    float M = NEG_INF;    // the maximum over earlier chunks
+    float S = 0.0f;       // (the last warp's lane 0)
+    const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
+    for (int c0 = 0; c0 < nc; c0 += AE_CELLS) {
+        const int n = min(AE_CELLS, nc - c0);
+        // 1. scores
+        const int hw = tid >> 4, hl = tid & 15;
+        for (int cb = 0; cb < n; cb += AE_THREADS / 16) {
+            const int ci = cb + hw;
+            float a = 0.0f;
+            bool vis = false;
+            u32 sl = 0;
+            if (ci < n) {
+                const int c = c0 + ci;
+                const u32 p = P[c];
+                vis = p <= max_pos && p >= min_pos;
+                sl = SL ? SL[c] : (u32)c;
+                if (vis) {
+                    const u16 *kr = Kh + (size_t)sl * kv_stride;
+                    const bool isnew = sl == jnew;
+                    float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    for (int b = 0; b < nb; b++) {
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            const int i = 64 * b + 16 * k + hl;
+                            const float kf = isnew ? knew[i] : h2f(kr[i]);
+                            a4[k] = __fadd_rn(a4[k], __fmul_rn(qs[i], kf));
+                        }
+                    }
+                    a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
+                }
+            }
+            const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8, 16));
+            const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4, 16));
+            const float u0 = __shfl_sync(FULL_MASK, w4, 0, 16);
+            const float u1 = __shfl_sync(FULL_MASK, w4, 1, 16);
+            const float u2 = __shfl_sync(FULL_MASK, w4, 2, 16);
+            const float u3 = __shfl_sync(FULL_MASK, w4, 3, 16);
+            if (ci < n && hl == 0) {
+                float s = NEG_INF;
+                if (vis) {
+                    const u16 *kr = Kh + (size_t)sl * kv_stride;
+                    double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
+                    for (int i = np; i < hd; i++)
+                        sum += (double)__fmul_rn(qs[i], sl == jnew ? knew[i] : h2f(kr[i]));
+                    s = __fmul_rn((float)sum, scale);
+                    if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
+                }
+                msh[ci] = s;
+                slot[ci] = sl;
+            }
+        }
+        __syncthreads();
+        // 2. running maxima, ms and vs
+        const int per = (n + AE_THREADS - 1) / AE_THREADS;
+        const int e0 = min(n, tid * per), e1 = min(n, e0 + per);
+        float lm = NEG_INF;
+        for (int c = e0; c < e1; c++) lm = fmaxf(lm, msh[c]);
+        float incl = lm;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl = fmaxf(incl, y);
+        }
+        const float excl = __shfl_up_sync(FULL_MASK, incl, 1);
+        if (lane == 31) wmax[warp] = incl;
+        __syncthreads();
+        float run = M;
+        for (int w = 0; w < warp; w++) run = fmaxf(run, wmax[w]);
+        if (lane > 0) run = fmaxf(run, excl);
+        for (int c = e0; c < e1; c++) {
+            const float s = msh[c];
+            float ms = 1.0f, vs = 0.0f;
+            if (s != NEG_INF) {
+                if (s > run) {
+                    ms = expf_glibc(run - s);
+                    vs = 1.0f;
+                    run = s;
+                } else {
+                    vs = expf_glibc(s - run);
+                }
+            }
+            msh[c] = ms;
+            vsh[c] = vs;
+        }
+#pragma unroll 1
+        for (int w = 0; w < AE_THREADS / 32; w++) M = fmaxf(M, wmax[w]);
+        __syncthreads();
+        // 3. the sequential chains
+        if (tid < hd) {
+            const u16 *vcol = Vh + tid;
+#pragma unroll 8
+            for (int c = 0; c < n; c++) {
+                const float vs = vsh[c];
+                const u32 sl = slot[c];
+                const float vf = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
+                if (vs == 0.0f) continue;
+                const float ms = msh[c];
+                if (ms != 1.0f) {
+                    const double ms16 = (double)h2f(f2h(ms));
+                    acc = tid < npn ? h2f(f64_to_f16((double)acc * ms16))
+                                    : h2f(f2h(__fmul_rn(acc, ms)));
+                }
+                const double vs16 = (double)h2f(f2h(vs));
+                acc = tid < npn ? h2f(f64_to_f16(fma((double)vf, vs16, (double)acc)))
+                                : h2f(f2h(__fmaf_rn(vf, vs, acc)));
+            }
+        } else if (tid == AE_THREADS - 32) {
+            for (int c = 0; c < n; c++) S = __fmaf_rn(S, msh[c], vsh[c]);
+        }
+        __syncthreads();
+    }
+    if (tid == AE_THREADS - 32) Ssh = S;
+    __syncthreads();
+    if (tid < hd) {
+        const float Sv = Ssh;
+        const float inv = Sv == 0.0f ? 0.0f : __fdiv_rn(1.0f, Sv);
+        const float o = __fmul_rn(acc, inv);
+        const size_t i = ((size_t)t * n_head + h) * hd + tid;
+        out[i] = o;
+        if (quant) quantize_lane(o, aq, i, &ads[i >> 5], 1);
+    }
+}

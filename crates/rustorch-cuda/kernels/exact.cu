@@ -77,11 +77,15 @@ __device__ __forceinline__ float silu_ggml(float x) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Products. One warp per row, grid (ceil(n_rows / MMVE_WARPS), n_tok). Each pass the 32
-// threads decode 32 consecutive groups (coalesced) into integer lane sums kept in shared
-// memory; then threads 0..7 (one per lane) run the accumulator chains in block order.
+// Products. One warp per output row (up to three matrices per launch, an MmvJob; with glu, two
+// warps per row: gate and up, then silu(gate) * up), grid (ceil(rows / 4), n_tok). Each pass
+// the 32 threads decode MMVE_CH consecutive groups of 32 weights (all loads issued together)
+// into integer lane sums in shared memory; then threads 0..7 (one per lane) run the
+// accumulator chains in block order.
 
 #define MMVE_WARPS 4
+#define MMVE_G 4
+#define MMVE_CH (32 * MMVE_G)
 
 // ggml's hsum_float_8 of the accumulators held by lanes 0..7: lane 0 gets
 // ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
@@ -91,106 +95,136 @@ __device__ __forceinline__ float hsum8_lanes(float acc) {
     return __fadd_rn(p, __shfl_down_sync(FULL_MASK, p, 1));
 }
 
-// Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
-// rule (ads: per block d and s, each rounded to f16).
-template <class F, bool MIN>
-__device__ __forceinline__ void mmve_legacy(const u8 *__restrict__ W, const i8 *__restrict__ aq,
-                                            const float2 *__restrict__ ads,
-                                            float *__restrict__ out, int n_rows, int n_cols) {
-    __shared__ float lanes[MMVE_WARPS][32][9];
-    __shared__ float mins[MMVE_WARPS][32][2];
+// This warp's matrix m and row wi (glu: warps 2k and 2k + 1 take row k of gate and up).
+__device__ __forceinline__ bool mmve_row(const MmvJob &j, int &m, int &wi) {
+    const int warp = threadIdx.x >> 5;
+    if (j.glu) {
+        m = warp & 1;
+        wi = blockIdx.x * (MMVE_WARPS / 2) + (warp >> 1);
+        return wi < j.rows[0];
+    }
+    wi = blockIdx.x * MMVE_WARPS + warp;
+    return job_row(j, m, wi);
+}
+
+// Lane 0's value v of (matrix m, row wi, token blockIdx.y) to its output; with glu the gate
+// warp writes silu(gate) * up (every warp of the block reaches the barrier).
+__device__ __forceinline__ void mmve_store(const MmvJob &j, int m, int wi, bool has, float v) {
+    __shared__ float up[MMVE_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MMVE_WARPS + warp;
-    const int t = blockIdx.y;
-    if (row >= n_rows) return;
-    const int nb = n_cols >> 5;
-    const u8 *wr = W + (size_t)row * nb * F::BYTES;
-    const i8 *a = aq + (size_t)t * n_cols;
-    const float2 *ad = ads + (size_t)t * nb;
+    const size_t t = blockIdx.y;
+    if (!j.glu) {
+        if (has && lane == 0) job_out(j, m)[t * job_rows(j, m) + wi] = v;
+        return;
+    }
+    if (lane == 0) up[warp] = v;
+    __syncthreads();
+    if (has && m == 0 && lane == 0)
+        j.out[0][t * j.rows[0] + wi] = __fmul_rn(silu_ggml(v), up[warp + 1]);
+}
+
+// Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
+// rule (ads: per block d and s, each rounded to f16). Lane 0 returns the dot product.
+template <class F, bool MIN>
+__device__ __forceinline__ float mmve_legacy_row(const u8 *__restrict__ wr,
+                                                 const i8 *__restrict__ a,
+                                                 const float2 *__restrict__ ad, int nb,
+                                                 float (*sh)[9], float2 *shm) {
+    const int lane = threadIdx.x & 31;
     float acc = 0.0f, summs = 0.0f;
-    for (int b0 = 0; b0 < nb; b0 += 32) {
-        const int b = b0 + lane;
-        if (b < nb) {
-            Group g;
-            F::decode(wr + (size_t)b * F::BYTES, 0, g);
-            const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
-            const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
-            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float2 ds = ad[b];
+    for (int b0 = 0; b0 < nb; b0 += MMVE_CH) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int s = dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0));
-                lanes[warp][lane][k] = __int2float_rn(s);
-            }
-            lanes[warp][lane][8] = __fmul_rn(g.d0, ds.x);
-            if (MIN) {
-                mins[warp][lane][0] = g.m0;
-                mins[warp][lane][1] = ds.y;
+        for (int i = 0; i < MMVE_G; i++) {
+            const int bl = 32 * i + lane, b = b0 + bl;
+            if (b < nb) {
+                Group g;
+                F::decode(wr + (size_t)b * F::BYTES, 0, g);
+                const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
+                const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
+                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const float2 ds = ad[b];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    sh[bl][k] =
+                        __int2float_rn(dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0)));
+                sh[bl][8] = __fmul_rn(g.d0, ds.x);
+                if (MIN) shm[bl] = make_float2(g.m0, ds.y);
             }
         }
         __syncwarp();
-        const int n = min(32, nb - b0);
+        const int n = min(MMVE_CH, nb - b0);
         if (lane < 8) {
-            for (int j = 0; j < n; j++)
-                acc = __fmaf_rn(lanes[warp][j][8], lanes[warp][j][lane], acc);
+#pragma unroll 8
+            for (int j = 0; j < n; j++) acc = __fmaf_rn(sh[j][8], sh[j][lane], acc);
         } else if (MIN && lane == 8) {
-            for (int j = 0; j < n; j++)
-                summs = __fmaf_rn(mins[warp][j][0], mins[warp][j][1], summs);
+#pragma unroll 8
+            for (int j = 0; j < n; j++) summs = __fmaf_rn(shm[j].x, shm[j].y, summs);
         }
         __syncwarp();
     }
     const float sum = hsum8_lanes(acc);
     const float sm = __shfl_sync(FULL_MASK, summs, 8);
-    if (lane == 0) out[(size_t)t * n_rows + row] = MIN ? __fadd_rn(sum, sm) : sum;
+    return MIN ? __fadd_rn(sum, sm) : sum;
+}
+
+template <class F, bool MIN>
+__device__ __forceinline__ void mmve_legacy(const MmvJob &j, const i8 *__restrict__ aq,
+                                            const float2 *__restrict__ ads, int n_cols) {
+    __shared__ float sh[MMVE_WARPS][MMVE_CH][9];
+    __shared__ float2 shm[MMVE_WARPS][MIN ? MMVE_CH : 1];
+    const int warp = threadIdx.x >> 5;
+    const size_t t = blockIdx.y;
+    const int nb = n_cols >> 5;
+    int m, wi;
+    const bool has = mmve_row(j, m, wi);
+    float v = 0.0f;
+    if (has)
+        v = mmve_legacy_row<F, MIN>(job_w(j, m) + (size_t)wi * nb * F::BYTES, aq + t * n_cols,
+                                    ads + t * nb, nb, sh[warp], shm[warp]);
+    mmve_store(j, m, wi, has, v);
 }
 
 // Q6_K against Q8_K activations (dq: per 256 values the f32 scale): per super-block eight
 // lane sums (dot::q6k_lanes: lane l holds sc * q * a of values 4l..4l+3 of every 32, q
 // unsigned, minus 32 * sc * a over sub-blocks 2l and 2l + 1), one fused multiply-add each
-// with d_a * d_w.
-//
-// With `tiled` (batches of 8+ rows, the CPU's q6k_tiled): one accumulator per output,
-// acc = fma(f32(s1) * d_w, d_a, acc) per super-block, s1 the super-block's whole integer sum.
-__device__ __forceinline__ void mmve_q6k(const u8 *__restrict__ W, const i8 *__restrict__ aq,
-                                         const float *__restrict__ dq, float *__restrict__ out,
-                                         int n_rows, int n_cols, int tiled) {
-    __shared__ int lanes[MMVE_WARPS][32][8];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MMVE_WARPS + warp;
-    const int t = blockIdx.y;
-    if (row >= n_rows) return;
-    const int nsb = n_cols >> 8, ng = n_cols >> 5;
-    const u8 *wr = W + (size_t)row * nsb * 210;
-    const i8 *a = aq + (size_t)t * n_cols;
-    const float *d = dq + (size_t)t * nsb;
+// with d_a * d_w, then hsum_float_8. With `tiled` (batches of 8+ rows, the CPU's q6k_tiled):
+// one accumulator, acc = fma(f32(s1) * d_w, d_a, acc) per super-block, s1 the super-block's
+// whole integer sum.
+__device__ __forceinline__ float mmve_q6k_row(const u8 *__restrict__ wr, const i8 *__restrict__ a,
+                                              const float *__restrict__ d, int ng, int tiled,
+                                              int (*sh)[8]) {
+    const int lane = threadIdx.x & 31;
     float acc = 0.0f;
-    for (int g0 = 0; g0 < ng; g0 += 32) {
-        const int gi = g0 + lane;
-        if (gi < ng) {
-            const u8 *blk = wr + (size_t)(gi >> 3) * 210;
-            const int g = gi & 7;
-            Group w;
-            FQ6_K::decode(blk, g, w);
-            const i8 *sc = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
-            const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-            const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            // ggml puts the -32 offset of sub-blocks 2l and 2l + 1 (this group's halves when
-            // l = g) into lane l
-            int corr = 0;
+    for (int g0 = 0; g0 < ng; g0 += MMVE_CH) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) corr += (int)sc[k >> 2] * dp4a(0x01010101, av[k], 0);
+        for (int i = 0; i < MMVE_G; i++) {
+            const int gl = 32 * i + lane, gi = g0 + gl;
+            if (gi < ng) {
+                const u8 *blk = wr + (size_t)(gi >> 3) * 210;
+                const int g = gi & 7;
+                Group w;
+                FQ6_K::decode(blk, g, w);
+                const i8 *sc = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
+                const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+                const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                // ggml puts the -32 offset of sub-blocks 2l and 2l + 1 (this group's halves
+                // when l = g) into lane l
+                int corr = 0;
 #pragma unroll
-            for (int k = 0; k < 8; k++)
-                lanes[warp][lane][k] = (int)sc[k >> 2] * dp4a(w.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+                for (int k = 0; k < 8; k++) corr += (int)sc[k >> 2] * dp4a(0x01010101, av[k], 0);
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    sh[gl][k] = (int)sc[k >> 2] * dp4a(w.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+            }
         }
         __syncwarp();
-        const int n = min(32, ng - g0);
+        const int n = min(MMVE_CH, ng - g0);
         if (tiled) {
             if (lane == 0) {
                 for (int j = 0; j < n; j += 8) {
                     int s1 = 0;
-                    for (int q = 0; q < 64; q++) s1 += lanes[warp][j + (q >> 3)][q & 7];
+                    for (int q = 0; q < 64; q++) s1 += sh[j + (q >> 3)][q & 7];
                     const int sb = (g0 + j) >> 3;
                     const float r =
                         __fmul_rn(__int2float_rn(s1), h2f(ld_u16(wr + (size_t)sb * 210 + 208)));
@@ -201,7 +235,7 @@ __device__ __forceinline__ void mmve_q6k(const u8 *__restrict__ W, const i8 *__r
             for (int j = 0; j < n; j += 8) {
                 int s = 0;
 #pragma unroll
-                for (int q = 0; q < 8; q++) s += lanes[warp][j + q][lane];
+                for (int q = 0; q < 8; q++) s += sh[j + q][lane];
                 const int sb = (g0 + j) >> 3;
                 const float ds = __fmul_rn(d[sb], h2f(ld_u16(wr + (size_t)sb * 210 + 208)));
                 acc = __fmaf_rn(ds, __int2float_rn(s), acc);
@@ -209,84 +243,74 @@ __device__ __forceinline__ void mmve_q6k(const u8 *__restrict__ W, const i8 *__r
         }
         __syncwarp();
     }
-    const float sum = tiled ? acc : hsum8_lanes(acc);
-    if (lane == 0) out[(size_t)t * n_rows + row] = sum;
+    return tiled ? acc : hsum8_lanes(acc);
 }
 
 // Q4_K (rows a multiple of 8: the CPU multiplies them as llama.cpp's repacked kernels,
 // q4k_ggml) against Q8_K activations: per super-block isum = sum of sc[s] * dot[s] and
 // imin = sum of m[s] * B[s] (B: the sub-block's activation code sum), then
 // acc = fma(f32(isum), d_w * d_a, acc), accm = fma(f32(imin), dmin_w * d_a, accm); the
-// result acc - accm. Tokens below n_gemm (the CPU's gemm rows) take the fused steps per pair
-// of sub-blocks instead of per super-block.
-__device__ __forceinline__ void mmve_q4k(const u8 *__restrict__ W, const i8 *__restrict__ aq,
-                                         const float *__restrict__ dq, float *__restrict__ out,
-                                         int n_rows, int n_cols, int n_gemm) {
-    __shared__ int sd[MMVE_WARPS][32][2];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MMVE_WARPS + warp;
-    const int t = blockIdx.y;
-    if (row >= n_rows) return;
-    const int nsb = n_cols >> 8, ng = n_cols >> 5;
-    const u8 *wr = W + (size_t)row * nsb * 144;
-    const i8 *a = aq + (size_t)t * n_cols;
-    const float *d = dq + (size_t)t * nsb;
-    const bool gemm = t < n_gemm;
+// result acc - accm. With `gemm` (the CPU's gemm rows) the fused steps go per pair of
+// sub-blocks instead of per super-block.
+__device__ __forceinline__ float mmve_q4k_row(const u8 *__restrict__ wr, const i8 *__restrict__ a,
+                                              const float *__restrict__ d, int ng, bool gemm,
+                                              int (*sh)[2]) {
+    const int lane = threadIdx.x & 31;
     float acc = 0.0f;  // lane 0: the scaled sums; lane 1: the mins
-    for (int g0 = 0; g0 < ng; g0 += 32) {
-        const int gi = g0 + lane;
-        if (gi < ng) {
-            const u8 *blk = wr + (size_t)(gi >> 3) * 144;
-            const int g = gi & 7;
-            Group w;
-            FQ4_K::decode(blk, g, w);
-            int sc, m;
-            scale_min_k4(blk + 4, g, sc, m);
-            const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-            const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            int dot = 0, bs = 0;
+    for (int g0 = 0; g0 < ng; g0 += MMVE_CH) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                dot = dp4a(w.v[k], av[k], dot);
-                bs = dp4a(0x01010101, av[k], bs);
+        for (int i = 0; i < MMVE_G; i++) {
+            const int gl = 32 * i + lane, gi = g0 + gl;
+            if (gi < ng) {
+                const u8 *blk = wr + (size_t)(gi >> 3) * 144;
+                const int g = gi & 7;
+                Group w;
+                FQ4_K::decode(blk, g, w);
+                int sc, mn;
+                scale_min_k4(blk + 4, g, sc, mn);
+                const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+                const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                int dot = 0, bs = 0;
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    dot = dp4a(w.v[k], av[k], dot);
+                    bs = dp4a(0x01010101, av[k], bs);
+                }
+                sh[gl][0] = sc * dot;
+                sh[gl][1] = mn * bs;
             }
-            sd[warp][lane][0] = sc * dot;
-            sd[warp][lane][1] = m * bs;
         }
         __syncwarp();
         if (lane < 2) {
-            const int n = min(32, ng - g0);
+            const int n = min(MMVE_CH, ng - g0);
             for (int j = 0; j < n; j += 8) {
                 const int sb = (g0 + j) >> 3;
-                const float dw = h2f(ld_u16(wr + (size_t)sb * 144 + 2 * lane));
-                const float ds = __fmul_rn(dw, d[sb]);
+                const float ds = __fmul_rn(h2f(ld_u16(wr + (size_t)sb * 144 + 2 * lane)), d[sb]);
                 if (gemm) {
 #pragma unroll
                     for (int p = 0; p < 4; p++) {
-                        const int v = sd[warp][j + 2 * p][lane] + sd[warp][j + 2 * p + 1][lane];
+                        const int v = sh[j + 2 * p][lane] + sh[j + 2 * p + 1][lane];
                         acc = __fmaf_rn(__int2float_rn(v), ds, acc);
                     }
                 } else {
                     int v = 0;
 #pragma unroll
-                    for (int q = 0; q < 8; q++) v += sd[warp][j + q][lane];
+                    for (int q = 0; q < 8; q++) v += sh[j + q][lane];
                     acc = __fmaf_rn(__int2float_rn(v), ds, acc);
                 }
             }
         }
         __syncwarp();
     }
-    const float accm = __shfl_sync(FULL_MASK, acc, 1);
-    if (lane == 0) out[(size_t)t * n_rows + row] = __fsub_rn(acc, accm);
+    return __fsub_rn(acc, __shfl_sync(FULL_MASK, acc, 1));
 }
 
 #define MMVE_LEGACY(NAME, F, MIN)                                                             \
     extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)                            \
-        mmve_##NAME(const u8 *W, const i8 *aq, const float2 *ads, float *out, int n_rows,    \
-                    int n_cols) {                                                            \
-        PDL_ENTRY();                                                                         \
-        mmve_legacy<F, MIN>(W, aq, ads, out, n_rows, n_cols);                                \
+        mmve_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int mode) {       \
+        PDL_ENTRY_AFTER(mmvq1_prefetch<F>(j, n_cols, 1));                                    \
+        mmve_legacy<F, MIN>(j, aq, ads, n_cols);                                             \
     }
 
 MMVE_LEGACY(q4_0, FQ4_0, false)
@@ -295,19 +319,35 @@ MMVE_LEGACY(q5_0, FQ5_0, false)
 MMVE_LEGACY(q5_1, FQ5_1, true)
 MMVE_LEGACY(q8_0, FQ8_0, false)
 
-// (mode: Q6_K, tiled or not; Q4_K, the tokens below n_gemm)
+// (mode: Q6_K, tiled or not; Q4_K, the tokens below it take the gemm steps)
 extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
-    mmve_q6_k(const u8 *W, const i8 *aq, const float *dq, float *out, int n_rows, int n_cols,
-              int mode) {
-    PDL_ENTRY();
-    mmve_q6k(W, aq, dq, out, n_rows, n_cols, mode);
+    mmve_q6_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
+    PDL_ENTRY_AFTER(mmvq1_prefetch<FQ6_K>(j, n_cols, 1));
+    __shared__ int sh[MMVE_WARPS][MMVE_CH][8];
+    const size_t t = blockIdx.y;
+    const int nsb = n_cols >> 8;
+    int m, wi;
+    const bool has = mmve_row(j, m, wi);
+    float v = 0.0f;
+    if (has)
+        v = mmve_q6k_row(job_w(j, m) + (size_t)wi * nsb * 210, aq + t * n_cols, dq + t * nsb,
+                         n_cols >> 5, mode, sh[threadIdx.x >> 5]);
+    mmve_store(j, m, wi, has, v);
 }
 
 extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
-    mmve_q4_k(const u8 *W, const i8 *aq, const float *dq, float *out, int n_rows, int n_cols,
-              int mode) {
-    PDL_ENTRY();
-    mmve_q4k(W, aq, dq, out, n_rows, n_cols, mode);
+    mmve_q4_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
+    PDL_ENTRY_AFTER(mmvq1_prefetch<FQ4_K>(j, n_cols, 1));
+    __shared__ int sh[MMVE_WARPS][MMVE_CH][2];
+    const size_t t = blockIdx.y;
+    const int nsb = n_cols >> 8;
+    int m, wi;
+    const bool has = mmve_row(j, m, wi);
+    float v = 0.0f;
+    if (has)
+        v = mmve_q4k_row(job_w(j, m) + (size_t)wi * nsb * 144, aq + t * n_cols, dq + t * nsb,
+                         n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5]);
+    mmve_store(j, m, wi, has, v);
 }
 
 // ggml's quantize_row_q8_K_ref: per 256 values, max = the first value of largest magnitude,

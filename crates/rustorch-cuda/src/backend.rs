@@ -476,7 +476,7 @@ impl<'a> Cuda<'a> {
     /// persistent kernel; `RUSTORCH_CUDA_FOLD=0` turns it off).
     fn fold_ok(&self) -> bool {
         let a = crate::kernels::arith();
-        self.hook.is_none() && crate::kernels::fold_enabled() && !a.mega && !a.exact
+        self.hook.is_none() && crate::kernels::fold_enabled() && !a.mega && !self.dev.exact()
     }
 
     /// [`Backend::rope_angles`] with the host's angles (`RUSTORCH_CUDA_EXACT=1`): looked up
@@ -745,7 +745,7 @@ impl<'a> Cuda<'a> {
             n == 1
                 && self.hook.is_none()
                 && !crate::kernels::arith().mega
-                && !crate::kernels::arith().attn_cpu
+                && (!crate::kernels::arith().attn_cpu || dev.exact())
                 && a.head_dim == spec.head_dim
                 && a.rope.n_rot <= a.head_dim
                 && a.rope.n_rot.is_multiple_of(2)
@@ -1147,7 +1147,7 @@ impl<'a> Backend for Cuda<'a> {
         out: &mut CudaAngles,
     ) {
         self.touch();
-        if crate::kernels::arith().exact {
+        if self.dev.exact() {
             let r = self.exact_angles(rope, positions, freqs, out);
             self.keep(r);
             return;

@@ -2,7 +2,7 @@
 //! (from the on-disk cache, or compiled with NVRTC on first use).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
@@ -101,6 +101,8 @@ pub struct CudaDevice {
     mega: Arc<OnceLock<std::result::Result<Arc<MegaModule>, String>>>,
     /// Buffers allocated or freed through this device (see [`CudaDevice::alloc_count`]).
     events: Arc<AtomicU64>,
+    /// The CPU backend's arithmetic, bit for bit (see [`CudaDevice::set_exact`]).
+    exact: Arc<AtomicBool>,
     pub info: DeviceInfo,
     pub module: ModuleInfo,
 }
@@ -297,6 +299,9 @@ impl CudaDevice {
             })),
             mega: Arc::new(OnceLock::new()),
             events: Arc::default(),
+            exact: Arc::new(AtomicBool::new(
+                std::env::var("RUSTORCH_CUDA_EXACT").is_ok_and(|v| v == "1"),
+            )),
             info,
             module: minfo,
         })
@@ -341,6 +346,21 @@ impl CudaDevice {
         if mode == LaunchMode::DryRun {
             r.recorded.clear();
         }
+    }
+
+    /// Whether ops compute as the CPU backend does, bit for bit, where the formats allow
+    /// (kernels/exact.cu: the legacy formats, Q4_K and Q6_K; SiLU, softmax `expf`, RoPE
+    /// angles and attention as the CPU's; no folded norms). Slower; for output identical to
+    /// the CPU's (and so to llama.cpp's CPU build). Off by default unless
+    /// `RUSTORCH_CUDA_EXACT=1`; graphs captured in the other mode are not replayed (their
+    /// launches differ).
+    pub fn set_exact(&self, on: bool) {
+        self.exact.store(on, Ordering::Relaxed);
+    }
+
+    /// See [`CudaDevice::set_exact`].
+    pub fn exact(&self) -> bool {
+        self.exact.load(Ordering::Relaxed)
     }
 
     /// Buffers allocated or freed through this device so far (a dry run that allocates

@@ -45,19 +45,13 @@ const GLUQ_THREADS: u32 = 512;
 /// `RUSTORCH_CUDA_DECODE=tiled` runs one-token products with the multi-token kernels
 /// (several threads per row, shared-memory sums) instead of a warp per row: for comparisons.
 /// `RUSTORCH_CUDA_EXACT=1` computes as the CPU backend does, bit for bit where the formats
-/// allow (see [`Arith::exact`]).
+/// allow (see [`CudaDevice::set_exact`]).
 /// `RUSTORCH_CUDA_MEGA=1` runs decode steps as one persistent kernel (see [`crate::mega`];
 /// slower than graphs so far) and launches RMSNorm with its block size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arith {
     pub q8_cpu: bool,
     pub attn_cpu: bool,
-    /// The CPU backend's arithmetic op by op (kernels/exact.cu): products of the legacy
-    /// formats and Q6_K in the CPU's lane and block order (Q6_K against Q8_K activations),
-    /// SiLU and the softmax's `expf` as the CPU's, RoPE angles from the host, attention as
-    /// `attn_cpu`, no folded norms or fused gate/up launches. Other formats keep the fast
-    /// kernels.
-    pub exact: bool,
     pub decode_kernels: bool,
     pub mega: bool,
     /// Programmatic dependent launch (`RUSTORCH_CUDA_PDL`: `0` off, `1` on, default on with
@@ -84,8 +78,7 @@ pub fn arith() -> Arith {
         let var = |k: &str| std::env::var(k).unwrap_or_default();
         Arith {
             q8_cpu: var("RUSTORCH_CUDA_Q8") != "f32",
-            attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu" || var("RUSTORCH_CUDA_EXACT") == "1",
-            exact: var("RUSTORCH_CUDA_EXACT") == "1",
+            attn_cpu: var("RUSTORCH_CUDA_ATTN") == "cpu",
             decode_kernels: var("RUSTORCH_CUDA_DECODE") != "tiled",
             mega: var("RUSTORCH_CUDA_MEGA") == "1",
             pdl: match var("RUSTORCH_CUDA_PDL").as_str() {
@@ -140,6 +133,7 @@ pub fn kernel_names() -> Vec<String> {
         "quantize_q8_1",
         "quantize_q8_k",
         "rope_table",
+        "attn_exact",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -224,7 +218,7 @@ pub struct Scratch {
     eds: GpuVec<f32>,
 }
 
-/// The activation format of an exact product ([`Arith::exact`]) of weights of type `ty`.
+/// The activation format of an exact product ([`CudaDevice::set_exact`]) of weights of type `ty`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ExactActs {
     /// Q8_0 / Q8_1 blocks of 32 with the CPU's rule (`quantize_q8_1`, cpu = 1).
@@ -582,8 +576,8 @@ impl CudaDevice {
             )));
         }
         let n_tok = x.len() / n_cols;
-        if arith().exact && ws.iter().all(|w| exact_ok(w)) {
-            return self.mmv_exact(ws, x, n_tok, outs, s);
+        if self.exact() && ws.iter().all(|w| exact_ok(w)) {
+            return self.mmv_exact(ws, x, n_tok, outs, false, s);
         }
         if ws.iter().any(|w| !is_float(w.ty)) {
             self.quantize_acts(x, n_tok, n_cols, s)?;
@@ -608,85 +602,125 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Products with the CPU's arithmetic ([`Arith::exact`]): `x` quantized as the CPU
-    /// quantizes it for each format, then a warp per row and token (`mmve_*`).
+    /// Products with the CPU's arithmetic ([`CudaDevice::set_exact`]): `x` quantized as the CPU
+    /// quantizes it for each format (the legacy formats' Q8 blocks shared with the fused
+    /// norm's), then a warp per row and token (`mmve_*`), up to three matrices of one type
+    /// per launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
         x: &GpuVec<f32>,
         n_tok: usize,
         outs: &mut [&mut GpuVec<f32>],
+        glu: bool,
         s: &mut Scratch,
     ) -> Result<()> {
         let n_cols = ws[0].n_cols;
-        let mut done: Option<(ExactActs, usize)> = None;
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            let (Some(kind), Some(st)) = (exact_kind(w.ty), stem(w.ty)) else {
-                return Err(CudaError::Unsupported(format!("exact product of {}", w.ty)));
+        let nc = n_cols as i32;
+        let n_gemm = n_tok - n_tok % 4;
+        let mut q8k_done: Option<usize> = None;
+        let mut i = 0;
+        while i < ws.len() {
+            let ty = ws[i].ty;
+            let mut k = i + 1;
+            while k < ws.len() && (glu || (k - i < 3 && ws[k].ty == ty)) {
+                k += 1;
+            }
+            let (Some(kind), Some(st)) = (exact_kind(ty), stem(ty)) else {
+                return Err(CudaError::Unsupported(format!("exact product of {ty}")));
             };
             // the CPU's Q4_K gemm rows (their own activation rule and float steps), Q6_K's
             // tiled kernel from 8 rows
-            let n_gemm = n_tok - n_tok % 4;
-            let (n_4x8, mode) = match w.ty {
+            let (n_4x8, mode) = match ty {
                 GgmlType::Q4_K => (n_gemm, n_gemm as i32),
                 GgmlType::Q6_K => (0, i32::from(n_tok >= 8)),
                 _ => (0, 0),
             };
-            let (xp, nc) = (x.ptr(), n_cols as i32);
-            if done != Some((kind, n_4x8)) {
-                s.eq.resize(self, n_tok * n_cols)?;
-                let (eq, eds) = match kind {
-                    ExactActs::Q8 => {
-                        s.eds.resize(self, n_tok * n_cols / 32 * 2)?;
-                        (s.eq.ptr(), s.eds.ptr())
-                    }
-                    ExactActs::Q8K => {
-                        if !n_cols.is_multiple_of(256) {
-                            return Err(CudaError::Unsupported(format!(
-                                "Q8_K activations of rows of {n_cols}"
-                            )));
-                        }
-                        s.eds.resize(self, n_tok * n_cols / 256)?;
-                        (s.eq.ptr(), s.eds.ptr())
-                    }
-                };
-                let cpu = 1i32;
-                match kind {
-                    ExactActs::Q8 => self.launch(
+            let (aq, ads) = match kind {
+                ExactActs::Q8 if arith().q8_cpu => {
+                    self.quantize_acts(x, n_tok, n_cols, s)?;
+                    s.acts()
+                }
+                ExactActs::Q8 => {
+                    // (RUSTORCH_CUDA_Q8=f32: the shared quantization is not the CPU's)
+                    s.eq.resize(self, n_tok * n_cols)?;
+                    s.eds.resize(self, n_tok * n_cols / 32 * 2)?;
+                    let (xp, eq, eds, cpu) = (x.ptr(), s.eq.ptr(), s.eds.ptr(), 1i32);
+                    self.launch(
                         "quantize_q8_1",
                         (blocks(n_cols / 32, 8), n_tok as u32, 1),
                         256,
                         &[&xp, &eq, &eds, &nc, &cpu],
-                    )?,
-                    ExactActs::Q8K => {
-                        let n4 = n_4x8 as i32;
+                    )?;
+                    q8k_done = None;
+                    (eq, eds)
+                }
+                ExactActs::Q8K => {
+                    if !n_cols.is_multiple_of(256) {
+                        return Err(CudaError::Unsupported(format!(
+                            "Q8_K activations of rows of {n_cols}"
+                        )));
+                    }
+                    if q8k_done != Some(n_4x8) {
+                        s.eq.resize(self, n_tok * n_cols)?;
+                        s.eds.resize(self, n_tok * n_cols / 256)?;
+                        let (xp, eq, eds, n4) = (x.ptr(), s.eq.ptr(), s.eds.ptr(), n_4x8 as i32);
                         self.launch(
                             "quantize_q8_k",
                             (blocks(n_cols / 256, 4), n_tok as u32, 1),
                             128,
                             &[&xp, &eq, &eds, &nc, &n4],
-                        )?
+                        )?;
+                        q8k_done = Some(n_4x8);
                     }
+                    (s.eq.ptr(), s.eds.ptr())
                 }
-                done = Some((kind, n_4x8));
+            };
+            let mut job = MmvJob {
+                n: (k - i) as i32,
+                glu: i32::from(glu),
+                ..MmvJob::default()
+            };
+            for (m, w) in ws[i..k].iter().enumerate() {
+                job.w[m] = w.data.ptr();
+                job.rows[m] = w.n_rows as i32;
             }
-            out.resize(self, n_tok * w.n_rows)?;
-            let (wp, eq, eds, op, nr) = (
-                w.data.ptr(),
-                s.eq.ptr(),
-                s.eds.ptr(),
-                out.ptr(),
-                w.n_rows as i32,
-            );
-            let grid = (blocks(w.n_rows, 4), n_tok as u32, 1);
-            let name = format!("mmve_{st}");
-            if kind == ExactActs::Q8K {
-                self.launch(&name, grid, 128, &[&wp, &eq, &eds, &op, &nr, &nc, &mode])?;
+            let n_out = if glu { 1 } else { k - i };
+            for m in 0..n_out {
+                outs[i + m].resize(self, n_tok * ws[i + m].n_rows)?;
+                job.out[m] = outs[i + m].ptr();
+            }
+            let warps: usize = if glu {
+                2 * ws[i].n_rows
             } else {
-                self.launch(&name, grid, 128, &[&wp, &eq, &eds, &op, &nr, &nc])?;
-            }
+                ws[i..k].iter().map(|w| w.n_rows).sum()
+            };
+            self.launch(
+                &format!("mmve_{st}"),
+                (blocks(warps, 4), n_tok as u32, 1),
+                128,
+                &[&job, &aq, &ads, &nc, &mode],
+            )?;
+            i = k;
         }
         Ok(())
+    }
+
+    /// `gate = silu(x·Wg) ⊙ x·Wu` with the CPU's arithmetic ([`CudaDevice::set_exact`]), where both
+    /// matrices have an exact product.
+    fn glu_exact(
+        &self,
+        wg: &CudaMatrix,
+        wu: &CudaMatrix,
+        x: &GpuVec<f32>,
+        gate: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Option<Result<()>> {
+        if !exact_ok(wg) || !exact_ok(wu) {
+            return None;
+        }
+        let n_tok = x.len() / wg.n_cols;
+        Some(self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s))
     }
 
     /// Tokens of each launch: tiles of 1, 2, 4 or 8 over `n_tok`, as `(first, count, tile)`.
@@ -952,8 +986,12 @@ impl CudaDevice {
                 None,
             ));
         }
-        if arith().exact {
-            return None;
+        if self.exact() {
+            return if gelu {
+                None
+            } else {
+                self.glu_exact(wg, wu, x, gate, s)
+            };
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
@@ -1416,7 +1454,7 @@ impl CudaDevice {
         s: &mut Scratch,
     ) -> Result<()> {
         let (nh, hd) = (shape.n_head, shape.head_dim);
-        if rope.is_some() && (n != 1 || split.is_none() && arith().attn_cpu) {
+        if rope.is_some() && (n != 1 || split.is_none() && arith().attn_cpu && !self.exact()) {
             return Err(CudaError::Unsupported(
                 "attention with the rotation inside: one row, split kernel".into(),
             ));
@@ -1435,7 +1473,44 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        if split.is_none() && arith().attn_cpu {
+        if split.is_none() && self.exact() && hd <= 256 {
+            // the output quantized for the product that follows (the CPU's rule)
+            let quant = i32::from(hd.is_multiple_of(32));
+            if quant == 1 {
+                s.aq.resize(self, n * nh * hd)?;
+                s.ads.resize(self, n * nh * hd / 32 * 2)?;
+                s.acts_of = Some((out.ptr(), n * nh * hd, nh * hd));
+                s.alt = false;
+            } else {
+                s.acts_of = None;
+            }
+            let scale = if shape.softcap != 0.0 {
+                shape.scale / shape.softcap
+            } else {
+                shape.scale
+            };
+            let native = i32::from(rustorch_core::kernels::native_f16());
+            let (qp, op, aq, ads) = (q.ptr(), out.ptr(), s.aq.ptr(), s.ads.ptr());
+            let (nhi, nkv, hdi, kvs) = (
+                nh as i32,
+                shape.n_head_kv as i32,
+                hd as i32,
+                shape.kv_stride as i32,
+            );
+            let (cap, win) = (shape.softcap, shape.window);
+            let inline = i32::from(rope.is_some());
+            let ar = rope.copied().unwrap_or_default();
+            return self.launch(
+                "attn_exact",
+                (nh as u32, n as u32, 1),
+                288,
+                &[
+                    &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
+                    &native, &aq, &ads, &quant, &inline, &ar,
+                ],
+            );
+        }
+        if split.is_none() && (arith().attn_cpu || self.exact()) {
             s.acts_of = None;
             let scale = if shape.softcap != 0.0 {
                 shape.scale / shape.softcap

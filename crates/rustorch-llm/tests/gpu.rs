@@ -26,6 +26,9 @@ struct Report {
     top1: f64,
     greedy_equal: usize,
     prompts: usize,
+    /// Teacher-forced steps whose logits equal the CPU's to the bit, of `steps`.
+    identical: usize,
+    steps: usize,
 }
 
 fn prompt_logits(model: &Model, tokens: &[u32], cache: &mut KvCache, rt: &Runtime) -> Vec<f32> {
@@ -53,6 +56,7 @@ fn step(model: &Model, tok: u32, pos: usize, cache: &mut KvCache, rt: &Runtime) 
 fn compare(cpu: &Model, gpu: &Model, prompts: &[Vec<u32>]) -> Report {
     let rt = Runtime::new(std::thread::available_parallelism().map_or(2, |n| n.get()));
     let (mut kl_sum, mut kl_max, mut agree, mut n, mut greedy_equal) = (0f64, 0f64, 0, 0, 0);
+    let mut identical = 0;
     for tokens in prompts {
         let np = tokens.len();
         let ctx = np + STEPS + 1;
@@ -75,6 +79,7 @@ fn compare(cpu: &Model, gpu: &Model, prompts: &[Vec<u32>]) -> Report {
             kl_sum += k;
             kl_max = kl_max.max(k);
             agree += usize::from(argmax(&g) == argmax(&cpu_steps[s]));
+            identical += usize::from(differing_steps(&cpu_steps[s..s + 1], &[g.clone()]) == 0);
             n += 1;
             g = step(gpu, cpu_toks[s], np + s, &mut gc, &rt);
         }
@@ -95,6 +100,8 @@ fn compare(cpu: &Model, gpu: &Model, prompts: &[Vec<u32>]) -> Report {
         top1: agree as f64 / n as f64,
         greedy_equal,
         prompts: prompts.len(),
+        identical,
+        steps: n,
     }
 }
 
@@ -338,30 +345,78 @@ fn early_launch_equals_checked_replay() {
     }
 }
 
-#[test]
-fn gpu_matches_cpu() {
+/// `f(name, path, cpu, gpu, prompts)` for SmolLM2 (the parity fixture's prompts) and each model of
+/// `RUSTORCH_GPU_MODELS` (the same prompts' text re-tokenized), skipping absent ones.
+fn each_model(mut f: impl FnMut(&str, &std::path::Path, &Model, &Model, &[Vec<u32>])) {
     let prompts = fixture_prompts();
-    let smol = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if let Some((cpu, gpu, _)) = open(&smol) {
-        let toks: Vec<Vec<u32>> = prompts.iter().map(|p| p.1.clone()).collect();
-        let r = compare(&cpu, &gpu, &toks);
-        check("SmolLM2-135M Q4_1", &r);
-        assert!(
-            r.greedy_equal >= 7,
-            "SmolLM2: greedy equal in {} of 8",
-            r.greedy_equal
-        );
-    }
-    let extra = std::env::var("RUSTORCH_GPU_MODELS").unwrap_or_default();
-    for path in extra.split(',').filter(|p| !p.is_empty()) {
-        let path = std::path::PathBuf::from(path);
+    for (i, path) in gpu_models().into_iter().enumerate() {
         if let Some((cpu, gpu, tok)) = open(&path) {
-            let toks: Vec<Vec<u32>> = prompts
-                .iter()
-                .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
-                .collect();
-            let r = compare(&cpu, &gpu, &toks);
-            check(&path.display().to_string(), &r);
+            let toks: Vec<Vec<u32>> = if i == 0 {
+                prompts.iter().map(|p| p.1.clone()).collect()
+            } else {
+                prompts
+                    .iter()
+                    .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
+                    .collect()
+            };
+            let name = if i == 0 {
+                "SmolLM2-135M Q4_1".to_string()
+            } else {
+                path.display().to_string()
+            };
+            f(&name, &path, &cpu, &gpu, &toks);
         }
     }
+}
+
+#[test]
+fn gpu_matches_cpu() {
+    each_model(|name, _, cpu, gpu, toks| {
+        let r = compare(cpu, gpu, toks);
+        check(name, &r);
+        if name.starts_with("SmolLM2") {
+            assert!(
+                r.greedy_equal >= 7,
+                "SmolLM2: greedy equal in {} of 8",
+                r.greedy_equal
+            );
+        }
+    });
+}
+
+/// With `--gpu-exact` (`Model::set_cuda_exact`), every teacher-forced step's logits equal the
+/// CPU's to the bit and every greedy continuation is the CPU's, on models whose matrices all
+/// have exact GPU products (others skip with a line).
+#[test]
+fn gpu_exact_equals_cpu() {
+    each_model(|name, path, cpu, gpu, toks| {
+        let gguf = GgufFile::open(path).expect("open");
+        let odd: Vec<String> = gguf
+            .tensors()
+            .iter()
+            .filter(|t| t.dims.len() == 2)
+            .map(|t| t.ty)
+            .filter(|ty| {
+                use rustorch_core::GgmlType::*;
+                !matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q6_K)
+            })
+            .map(|ty| format!("{ty}"))
+            .collect();
+        if let Some(ty) = odd.first() {
+            eprintln!("SKIPPED: {name}: {ty} matrices have no exact GPU product");
+            return;
+        }
+        gpu.set_cuda_exact(true);
+        let r = compare(cpu, gpu, toks);
+        gpu.set_cuda_exact(false);
+        eprintln!(
+            "{name}, --gpu-exact: {} of {} teacher-forced steps' logits equal to the bit, mean KL {:.2e}, greedy {GREEDY} tokens equal in {}/{}",
+            r.identical, r.steps, r.mean_kl, r.greedy_equal, r.prompts
+        );
+        assert_eq!(r.identical, r.steps, "{name}: steps whose logits differ");
+        assert_eq!(
+            r.greedy_equal, r.prompts,
+            "{name}: greedy continuations differ"
+        );
+    });
 }

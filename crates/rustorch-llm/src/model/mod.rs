@@ -879,6 +879,16 @@ impl Model {
         self.with_cuda_state(|s| s.set_early(on));
     }
 
+    /// On the GPU: whether to compute as the CPU backend does, bit for bit, where the
+    /// formats allow (`rustorch_cuda::CudaDevice::set_exact`: logits identical to the CPU's
+    /// for the legacy formats, Q4_K and Q6_K; slower); off by default unless
+    /// `RUSTORCH_CUDA_EXACT=1`. Nothing on the CPU.
+    pub fn set_cuda_exact(&self, on: bool) {
+        if let Placed::Cuda(c) = &self.placed {
+            c.dev.set_exact(on);
+        }
+    }
+
     /// The GPU's name when the model runs on one.
     pub fn gpu_name(&self) -> Option<String> {
         match &self.placed {
