@@ -197,6 +197,13 @@ impl DeviceArgs {
         Ok(Arc::new(file))
     }
 
+    /// Applies the flags that act on a loaded model (`--gpu-exact`).
+    pub fn configure(&self, model: &Model) {
+        if self.gpu_exact {
+            model.set_cuda_exact(true);
+        }
+    }
+
     /// The KV cache types `-ctk` / `-ctv` name; an unknown name is an error listing the
     /// valid ones.
     pub fn cache_types(&self) -> anyhow::Result<KvTypes> {
@@ -316,8 +323,8 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
         if let Some(t) = types {
             model.set_cache_types(t)?;
         }
-        if dev.is_some_and(|d| d.gpu_exact) {
-            model.set_cuda_exact(true);
+        if let Some(d) = dev {
+            d.configure(&model);
         }
         if model.backend_name() != "CPU" {
             let hp = model.hparams();

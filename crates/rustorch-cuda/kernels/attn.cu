@@ -500,6 +500,12 @@ ATTN_CPU_KERNEL(8)
 
 #define AE_THREADS 288
 #define AE_CELLS 1024
+#ifndef AE_U
+#define AE_U 1
+#endif
+#ifndef AE_V
+#define AE_V 32
+#endif
 
 extern "C" __global__ void __launch_bounds__(AE_THREADS)
     attn_exact(const float *__restrict__ q, const u64 *__restrict__ rows,
@@ -513,6 +519,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     __shared__ float msh[AE_CELLS];
     __shared__ float vsh[AE_CELLS];
     __shared__ u32 slot[AE_CELLS];
+    __shared__ u32 spos[AE_CELLS];
     __shared__ float wmax[AE_THREADS / 32];
     __shared__ float Ssh;
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
@@ -561,51 +568,75 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
     for (int c0 = 0; c0 < nc; c0 += AE_CELLS) {
         const int n = min(AE_CELLS, nc - c0);
-        // 1. scores
+        // 0. the chunk's slots and positions, loaded together
+        for (int ci = tid; ci < n; ci += AE_THREADS) {
+            slot[ci] = SL ? SL[c0 + ci] : (u32)(c0 + ci);
+            spos[ci] = P[c0 + ci];
+        }
+        __syncthreads();
+        // 1. scores (each half-warp loads the keys of AE_U cells before it sums any)
         const int hw = tid >> 4, hl = tid & 15;
-        for (int cb = 0; cb < n; cb += AE_THREADS / 16) {
-            const int ci = cb + hw;
-            float a = 0.0f;
-            bool vis = false;
-            u32 sl = 0;
-            if (ci < n) {
-                const int c = c0 + ci;
-                const u32 p = P[c];
-                vis = p <= max_pos && p >= min_pos;
-                sl = SL ? SL[c] : (u32)c;
-                if (vis) {
-                    const u16 *kr = Kh + (size_t)sl * kv_stride;
-                    const bool isnew = sl == jnew;
-                    float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    for (int b = 0; b < nb; b++) {
+        for (int cb = 0; cb < n; cb += (AE_THREADS / 16) * AE_U) {
+            float kf[AE_U][16];
+            bool vis[AE_U];
+            u32 sl[AE_U];
 #pragma unroll
-                        for (int k = 0; k < 4; k++) {
-                            const int i = 64 * b + 16 * k + hl;
-                            const float kf = isnew ? knew[i] : h2f(kr[i]);
-                            a4[k] = __fadd_rn(a4[k], __fmul_rn(qs[i], kf));
+            for (int u = 0; u < AE_U; u++) {
+                const int ci = cb + hw + (AE_THREADS / 16) * u;
+                vis[u] = false;
+                sl[u] = 0;
+                if (ci < n) {
+                    const u32 p = spos[ci];
+                    vis[u] = p <= max_pos && p >= min_pos;
+                    sl[u] = slot[ci];
+                }
+                const u16 *kr = Kh + (size_t)sl[u] * kv_stride;
+                const bool isnew = sl[u] == jnew;
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        const int i = 64 * b + 16 * k + hl;
+                        kf[u][4 * b + k] =
+                            (vis[u] && b < nb) ? (isnew ? knew[i] : h2f(kr[i])) : 0.0f;
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < AE_U; u++) {
+                const int ci = cb + hw + (AE_THREADS / 16) * u;
+                float a = 0.0f;
+                if (vis[u]) {
+                    float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                    for (int b = 0; b < 4; b++) {
+                        if (b < nb) {
+#pragma unroll
+                            for (int k = 0; k < 4; k++)
+                                a4[k] = __fadd_rn(a4[k],
+                                                  __fmul_rn(qs[64 * b + 16 * k + hl], kf[u][4 * b + k]));
                         }
                     }
                     a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
                 }
-            }
-            const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8, 16));
-            const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4, 16));
-            const float u0 = __shfl_sync(FULL_MASK, w4, 0, 16);
-            const float u1 = __shfl_sync(FULL_MASK, w4, 1, 16);
-            const float u2 = __shfl_sync(FULL_MASK, w4, 2, 16);
-            const float u3 = __shfl_sync(FULL_MASK, w4, 3, 16);
-            if (ci < n && hl == 0) {
-                float s = NEG_INF;
-                if (vis) {
-                    const u16 *kr = Kh + (size_t)sl * kv_stride;
-                    double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
-                    for (int i = np; i < hd; i++)
-                        sum += (double)__fmul_rn(qs[i], sl == jnew ? knew[i] : h2f(kr[i]));
-                    s = __fmul_rn((float)sum, scale);
-                    if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
+                const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8, 16));
+                const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4, 16));
+                const float u0 = __shfl_sync(FULL_MASK, w4, 0, 16);
+                const float u1 = __shfl_sync(FULL_MASK, w4, 1, 16);
+                const float u2 = __shfl_sync(FULL_MASK, w4, 2, 16);
+                const float u3 = __shfl_sync(FULL_MASK, w4, 3, 16);
+                if (ci < n && hl == 0) {
+                    float s = NEG_INF;
+                    if (vis[u]) {
+                        const u16 *kr = Kh + (size_t)sl[u] * kv_stride;
+                        double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
+                        for (int i = np; i < hd; i++)
+                            sum += (double)__fmul_rn(qs[i], sl[u] == jnew ? knew[i] : h2f(kr[i]));
+                        s = __fmul_rn((float)sum, scale);
+                        if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
+                    }
+                    msh[ci] = s;
                 }
-                msh[ci] = s;
-                slot[ci] = sl;
             }
         }
         __syncthreads();
@@ -647,21 +678,33 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         // 3. the sequential chains
         if (tid < hd) {
             const u16 *vcol = Vh + tid;
-#pragma unroll 8
-            for (int c = 0; c < n; c++) {
-                const float vs = vsh[c];
-                const u32 sl = slot[c];
-                const float vf = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
-                if (vs == 0.0f) continue;
-                const float ms = msh[c];
-                if (ms != 1.0f) {
-                    const double ms16 = (double)h2f(f2h(ms));
-                    acc = tid < npn ? h2f(f64_to_f16((double)acc * ms16))
-                                    : h2f(f2h(__fmul_rn(acc, ms)));
+            for (int cb = 0; cb < n; cb += AE_V) {
+                // (this dimension's values of the next AE_V cells, loaded before any is used)
+                float vv[AE_V];
+#pragma unroll
+                for (int k = 0; k < AE_V; k++) {
+                    const int c = min(cb + k, n - 1);
+                    const u32 sl = slot[c];
+                    vv[k] = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
                 }
-                const double vs16 = (double)h2f(f2h(vs));
-                acc = tid < npn ? h2f(f64_to_f16(fma((double)vf, vs16, (double)acc)))
-                                : h2f(f2h(__fmaf_rn(vf, vs, acc)));
+#pragma unroll
+                for (int k = 0; k < AE_V; k++) {
+                    const int c = cb + k;
+                    if (c < n) {
+                        const float vs = vsh[c];
+                        if (vs != 0.0f) {
+                            const float ms = msh[c], vf = vv[k];
+                            if (ms != 1.0f) {
+                                const double ms16 = (double)h2f(f2h(ms));
+                                acc = tid < npn ? h2f(f64_to_f16((double)acc * ms16))
+                                                : h2f(f2h(__fmul_rn(acc, ms)));
+                            }
+                            const double vs16 = (double)h2f(f2h(vs));
+                            acc = tid < npn ? h2f(f64_to_f16(fma((double)vf, vs16, (double)acc)))
+                                            : h2f(f2h(__fmaf_rn(vf, vs, acc)));
+                        }
+                    }
+                }
             }
         } else if (tid == AE_THREADS - 32) {
             for (int c = 0; c < n; c++) S = __fmaf_rn(S, msh[c], vsh[c]);

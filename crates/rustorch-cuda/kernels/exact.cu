@@ -84,7 +84,9 @@ __device__ __forceinline__ float silu_ggml(float x) {
 // accumulator chains in block order.
 
 #define MMVE_WARPS 4
+#ifndef MMVE_G
 #define MMVE_G 4
+#endif
 #define MMVE_CH (32 * MMVE_G)
 
 // ggml's hsum_float_8 of the accumulators held by lanes 0..7: lane 0 gets
