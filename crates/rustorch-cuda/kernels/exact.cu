@@ -169,6 +169,59 @@ __device__ __forceinline__ float mmve_legacy_row(const u8 *__restrict__ wr,
     return MIN ? __fadd_rn(sum, sm) : sum;
 }
 
+// Gate and up row of a legacy format in one warp (both rows' loads in flight together): each
+// pass decodes MMVE_CH / 2 groups of each, lanes 0..7 walk the gate row's chains and lanes
+// 8..15 the up row's (lanes 16 and 24 their minimum terms). Lane 0 returns silu(gate) * up.
+template <class F, bool MIN>
+__device__ __forceinline__ float mmve_legacy_pair(const u8 *__restrict__ w0,
+                                                  const u8 *__restrict__ w1,
+                                                  const i8 *__restrict__ a,
+                                                  const float2 *__restrict__ ad, int nb,
+                                                  float (*sh)[9], float2 *shm) {
+    const int lane = threadIdx.x & 31;
+    const int H = MMVE_CH / 2;
+    float acc = 0.0f, summs = 0.0f;
+    for (int b0 = 0; b0 < nb; b0 += H) {
+#pragma unroll
+        for (int i = 0; i < MMVE_G; i++) {
+            const int sl = 32 * i + lane, up = sl >= H, b = b0 + sl - (up ? H : 0);
+            if (b < nb) {
+                Group g;
+                F::decode((up ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
+                const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
+                const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
+                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const float2 ds = ad[b];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    sh[sl][k] =
+                        __int2float_rn(dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0)));
+                sh[sl][8] = __fmul_rn(g.d0, ds.x);
+                if (MIN) shm[sl] = make_float2(g.m0, ds.y);
+            }
+        }
+        __syncwarp();
+        const int n = min(H, nb - b0);
+        const int base = lane >= 8 ? H : 0;
+        if (lane < 16) {
+            const int l = lane & 7;
+#pragma unroll 8
+            for (int jj = 0; jj < n; jj++) acc = __fmaf_rn(sh[base + jj][8], sh[base + jj][l], acc);
+        } else if (MIN && (lane == 16 || lane == 24)) {
+            const int bm = lane == 24 ? H : 0;
+#pragma unroll 8
+            for (int jj = 0; jj < n; jj++)
+                summs = __fmaf_rn(shm[bm + jj].x, shm[bm + jj].y, summs);
+        }
+        __syncwarp();
+    }
+    const float sum = hsum8_lanes(acc);  // lane 0: gate, lane 8: up
+    const float sm = __shfl_down_sync(FULL_MASK, summs, 16);  // lane 0: gate's, 8: up's
+    const float v = MIN ? __fadd_rn(sum, sm) : sum;
+    const float u = __shfl_sync(FULL_MASK, v, 8);
+    return __fmul_rn(silu_ggml(v), u);
+}
+
 template <class F, bool MIN>
 __device__ __forceinline__ void mmve_legacy(const MmvJob &j, const i8 *__restrict__ aq,
                                             const float2 *__restrict__ ads, int n_cols) {
@@ -177,6 +230,16 @@ __device__ __forceinline__ void mmve_legacy(const MmvJob &j, const i8 *__restric
     const int warp = threadIdx.x >> 5;
     const size_t t = blockIdx.y;
     const int nb = n_cols >> 5;
+    if (j.glu) {
+        // (a warp per row: no block barrier)
+        const int wi = blockIdx.x * MMVE_WARPS + warp;
+        if (wi >= j.rows[0]) return;
+        const size_t o = (size_t)wi * nb * F::BYTES;
+        const float v = mmve_legacy_pair<F, MIN>(j.w[0] + o, j.w[1] + o, aq + t * n_cols,
+                                                 ads + t * nb, nb, sh[warp], shm[warp]);
+        if ((threadIdx.x & 31) == 0) j.out[0][t * j.rows[0] + wi] = v;
+        return;
+    }
     int m, wi;
     const bool has = mmve_row(j, m, wi);
     float v = 0.0f;

@@ -690,7 +690,11 @@ impl CudaDevice {
                 outs[i + m].resize(self, n_tok * ws[i + m].n_rows)?;
                 job.out[m] = outs[i + m].ptr();
             }
-            let warps: usize = if glu {
+            // (with glu, the legacy formats' gate and up rows share a warp, the K-quants' take
+            // one each)
+            let warps: usize = if glu && kind == ExactActs::Q8 {
+                ws[i].n_rows
+            } else if glu {
                 2 * ws[i].n_rows
             } else {
                 ws[i..k].iter().map(|w| w.n_rows).sum()
