@@ -400,12 +400,85 @@ extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
     mmve_store(j, m, wi, has, v);
 }
 
+// Gate and up Q4_K rows in one warp (mmve_q4k_row's steps for each): each pass decodes
+// MMVE_CH / 2 groups of each, lanes 0 and 1 walk the gate row's two chains and lanes 8 and 9
+// the up row's. Lane 0 returns silu(gate) * up.
+__device__ __forceinline__ float mmve_q4k_pair(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
+                                               const i8 *__restrict__ a,
+                                               const float *__restrict__ d, int ng, bool gemm,
+                                               int (*sh)[2]) {
+    const int lane = threadIdx.x & 31;
+    const int H = MMVE_CH / 2;
+    float acc = 0.0f;
+    for (int g0 = 0; g0 < ng; g0 += H) {
+#pragma unroll
+        for (int i = 0; i < MMVE_G; i++) {
+            const int sl = 32 * i + lane, up = sl >= H, gi = g0 + sl - (up ? H : 0);
+            if (gi < ng) {
+                const u8 *blk = (up ? w1 : w0) + (size_t)(gi >> 3) * 144;
+                const int g = gi & 7;
+                Group w;
+                FQ4_K::decode(blk, g, w);
+                int sc, mn;
+                scale_min_k4(blk + 4, g, sc, mn);
+                const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+                const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                int dot = 0, bs = 0;
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    dot = dp4a(w.v[k], av[k], dot);
+                    bs = dp4a(0x01010101, av[k], bs);
+                }
+                sh[sl][0] = sc * dot;
+                sh[sl][1] = mn * bs;
+            }
+        }
+        __syncwarp();
+        if ((lane & ~9) == 0) {  // lanes 0, 1 (gate) and 8, 9 (up)
+            const int c = lane & 1, base = lane >= 8 ? H : 0;
+            const u8 *wr = lane >= 8 ? w1 : w0;
+            const int n = min(H, ng - g0);
+            for (int j = 0; j < n; j += 8) {
+                const int sb = (g0 + j) >> 3;
+                const float ds = __fmul_rn(h2f(ld_u16(wr + (size_t)sb * 144 + 2 * c)), d[sb]);
+                if (gemm) {
+#pragma unroll
+                    for (int p = 0; p < 4; p++) {
+                        const int v = sh[base + j + 2 * p][c] + sh[base + j + 2 * p + 1][c];
+                        acc = __fmaf_rn(__int2float_rn(v), ds, acc);
+                    }
+                } else {
+                    int v = 0;
+#pragma unroll
+                    for (int q = 0; q < 8; q++) v += sh[base + j + q][c];
+                    acc = __fmaf_rn(__int2float_rn(v), ds, acc);
+                }
+            }
+        }
+        __syncwarp();
+    }
+    const float r = __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));  // lanes 0 and 8
+    const float u = __shfl_sync(FULL_MASK, r, 8);
+    return __fmul_rn(silu_ggml(r), u);
+}
+
 extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
     mmve_q4_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
     PDL_ENTRY_AFTER(mmvq1_prefetch<FQ4_K>(j, n_cols, 1));
     __shared__ int sh[MMVE_WARPS][MMVE_CH][2];
     const size_t t = blockIdx.y;
     const int nsb = n_cols >> 8;
+    if (j.glu) {
+        // (a warp per row: no block barrier)
+        const int wi = blockIdx.x * MMVE_WARPS + (threadIdx.x >> 5);
+        if (wi >= j.rows[0]) return;
+        const size_t o = (size_t)wi * nsb * 144;
+        const float v = mmve_q4k_pair(j.w[0] + o, j.w[1] + o, aq + t * n_cols, dq + t * nsb,
+                                      n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5]);
+        if ((threadIdx.x & 31) == 0) j.out[0][t * j.rows[0] + wi] = v;
+        return;
+    }
     int m, wi;
     const bool has = mmve_row(j, m, wi);
     float v = 0.0f;

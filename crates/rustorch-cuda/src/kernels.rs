@@ -690,9 +690,8 @@ impl CudaDevice {
                 outs[i + m].resize(self, n_tok * ws[i + m].n_rows)?;
                 job.out[m] = outs[i + m].ptr();
             }
-            // (with glu, the legacy formats' gate and up rows share a warp, the K-quants' take
-            // one each)
-            let warps: usize = if glu && kind == ExactActs::Q8 {
+            // (with glu, the gate and up rows share a warp, except Q6_K's: one each)
+            let warps: usize = if glu && ty != GgmlType::Q6_K {
                 ws[i].n_rows
             } else if glu {
                 2 * ws[i].n_rows
