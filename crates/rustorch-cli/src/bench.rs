@@ -281,7 +281,7 @@ fn load_model(
     let gguf = dev.cpu_weights(path, gguf, placement)?;
     let mut model = Model::load_on(gguf.clone(), placement, n_ctx).context("loading the model")?;
     model.set_cache_types(types)?;
-    dev.configure(&model);
+    dev.configure(&model, &gguf);
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let hp = model.hparams();
     let size = gguf.tensor_bytes();

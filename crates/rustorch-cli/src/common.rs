@@ -151,9 +151,10 @@ pub struct DeviceArgs {
     /// default when the model fits in half the available memory
     #[arg(long = "mmap")]
     pub mmap: bool,
-    /// On the GPU, compute as the CPU backend does, bit for bit (weights in Q4_0, Q4_1, Q5_0,
-    /// Q5_1, Q8_0, Q4_K and Q6_K): the CPU's logits and text exactly, decoding about 2.5x
-    /// slower (also `RUSTORCH_CUDA_EXACT=1`)
+    /// On the GPU, compute as the CPU backend does, bit for bit: the CPU's logits and text
+    /// exactly for weights in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K, SwiGLU models,
+    /// prompt batches under 64 tokens, an x86-64 host (start-up names what a model lacks);
+    /// decoding about 2x slower (also `RUSTORCH_CUDA_EXACT=1`)
     #[arg(long = "gpu-exact")]
     pub gpu_exact: bool,
 }
@@ -197,11 +198,28 @@ impl DeviceArgs {
         Ok(Arc::new(file))
     }
 
-    /// Applies the flags that act on a loaded model (`--gpu-exact`).
-    pub fn configure(&self, model: &Model) {
-        if self.gpu_exact {
-            model.set_cuda_exact(true);
+    /// Applies the flags that act on a loaded model (`--gpu-exact`, saying on stderr what
+    /// it does not cover for this model).
+    pub fn configure(&self, model: &Model, gguf: &GgufFile) {
+        if !self.gpu_exact {
+            return;
         }
+        model.set_cuda_exact(true);
+        if model.backend_name() == "CPU" {
+            return;
+        }
+        let gaps = exact_gaps(model, gguf);
+        if !gaps.is_empty() {
+            eprintln!(
+                "--gpu-exact: not bit for bit for this model ({}): those ops agree with the CPU \
+                 to rounding only",
+                gaps.join("; ")
+            );
+        }
+        eprintln!(
+            "--gpu-exact: a prompt of 64 or more tokens in one batch is computed to rounding \
+             (the CPU's long-prompt attention order is not reproduced), and so is what follows it"
+        );
     }
 
     /// The KV cache types `-ctk` / `-ctv` name; an unknown name is an error listing the
@@ -266,6 +284,36 @@ impl DeviceArgs {
     }
 }
 
+/// What `--gpu-exact` does not compute bit for bit for this model: weight formats without an
+/// exact product, GeGLU and soft-capping (gemma), a CPU other than x86-64 (whose kernels the
+/// GPU does not follow).
+fn exact_gaps(model: &Model, gguf: &GgufFile) -> Vec<String> {
+    use rustorch_core::GgmlType::*;
+    let mut gaps = Vec::new();
+    let mut types: Vec<String> = gguf
+        .tensors()
+        .iter()
+        .filter(|t| t.dims.len() == 2)
+        .filter(|t| {
+            !matches!(t.ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q6_K)
+                && !(t.ty == Q4_K && t.dims[1] % 8 == 0)
+        })
+        .map(|t| format!("{}", t.ty))
+        .collect();
+    types.sort();
+    types.dedup();
+    if !types.is_empty() {
+        gaps.push(format!("{} matrices", types.join(", ")));
+    }
+    if model.hparams().arch_name.starts_with("gemma") {
+        gaps.push("GeGLU and soft-capping".into());
+    }
+    if !cfg!(target_arch = "x86_64") {
+        gaps.push("a CPU other than x86-64".into());
+    }
+    gaps
+}
+
 /// `MemAvailable` of `/proc/meminfo` in bytes, where there is one.
 fn mem_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -324,7 +372,7 @@ pub fn load(path: &Path, dev: Option<&DeviceArgs>, n_ctx: usize) -> anyhow::Resu
             model.set_cache_types(t)?;
         }
         if let Some(d) = dev {
-            d.configure(&model);
+            d.configure(&model, &gguf);
         }
         if model.backend_name() != "CPU" {
             let hp = model.hparams();

@@ -40,10 +40,10 @@ pub struct Args {
     /// Threads for CPU sides (default: physical cores)
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
-    /// Print every tensor, not only up to the first past the tolerance
     /// The GPU side computes as the CPU backend does, bit for bit (see `run --gpu-exact`)
     #[arg(long = "gpu-exact")]
     pub gpu_exact: bool,
+    /// Print every tensor, not only up to the first past the tolerance
     #[arg(long = "all")]
     pub all: bool,
     /// Testing `diff` itself: plant a known bug in side b (`rope`: positions one off)

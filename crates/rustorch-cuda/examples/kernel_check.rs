@@ -365,7 +365,9 @@ impl Harness {
         // swiglu, geglu
         for gelu in [false, true] {
             let mut gg = self.up(&x);
-            self.dev.glu(gelu, &mut gg, &self.up(&y)).expect("glu");
+            self.dev
+                .glu(gelu, &mut gg, &self.up(&y), x.len())
+                .expect("glu");
             let want = f64v(
                 x.iter()
                     .zip(&y)

@@ -76,6 +76,13 @@ __device__ __forceinline__ float silu_ggml(float x) {
     return __fdiv_rn(x, __fadd_rn(1.0f, expf_ggml(__fsub_rn(0.0f, x))));
 }
 
+// silu(gate) * up for element i of a row of n: ggml_vec_swiglu_f32 takes the vectorised
+// SiLU for the first n & ~15 elements and the C library's expf for the rest (gexp::swiglu).
+__device__ __forceinline__ float swiglu_cpu(float g, float u, int i, int n) {
+    if (i < (n & ~15)) return __fmul_rn(silu_ggml(g), u);
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf_glibc(-g))), u);
+}
+
 // ---------------------------------------------------------------------------------------
 // Products. One warp per output row (up to three matrices per launch, an MmvJob; with glu, two
 // warps per row: gate and up, then silu(gate) * up), grid (ceil(rows / 4), n_tok). Each pass
@@ -122,7 +129,7 @@ __device__ __forceinline__ void mmve_store(const MmvJob &j, int m, int wi, bool 
     if (lane == 0) up[warp] = v;
     __syncthreads();
     if (has && m == 0 && lane == 0)
-        j.out[0][t * j.rows[0] + wi] = __fmul_rn(silu_ggml(v), up[warp + 1]);
+        j.out[0][t * j.rows[0] + wi] = swiglu_cpu(v, up[warp + 1], wi, j.rows[0]);
 }
 
 // Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
@@ -171,13 +178,15 @@ __device__ __forceinline__ float mmve_legacy_row(const u8 *__restrict__ wr,
 
 // Gate and up row of a legacy format in one warp (both rows' loads in flight together): each
 // pass decodes MMVE_CH / 2 groups of each, lanes 0..7 walk the gate row's chains and lanes
-// 8..15 the up row's (lanes 16 and 24 their minimum terms). Lane 0 returns silu(gate) * up.
+// 8..15 the up row's (lanes 16 and 24 their minimum terms). Lane 0 returns silu(gate) * up
+// (row wi of n_ff).
 template <class F, bool MIN>
 __device__ __forceinline__ float mmve_legacy_pair(const u8 *__restrict__ w0,
                                                   const u8 *__restrict__ w1,
                                                   const i8 *__restrict__ a,
                                                   const float2 *__restrict__ ad, int nb,
-                                                  float (*sh)[9], float2 *shm) {
+                                                  float (*sh)[9], float2 *shm, int wi,
+                                                  int n_ff) {
     const int lane = threadIdx.x & 31;
     const int H = MMVE_CH / 2;
     float acc = 0.0f, summs = 0.0f;
@@ -219,7 +228,7 @@ __device__ __forceinline__ float mmve_legacy_pair(const u8 *__restrict__ w0,
     const float sm = __shfl_down_sync(FULL_MASK, summs, 16);  // lane 0: gate's, 8: up's
     const float v = MIN ? __fadd_rn(sum, sm) : sum;
     const float u = __shfl_sync(FULL_MASK, v, 8);
-    return __fmul_rn(silu_ggml(v), u);
+    return swiglu_cpu(v, u, wi, n_ff);
 }
 
 template <class F, bool MIN>
@@ -236,7 +245,8 @@ __device__ __forceinline__ void mmve_legacy(const MmvJob &j, const i8 *__restric
         if (wi >= j.rows[0]) return;
         const size_t o = (size_t)wi * nb * F::BYTES;
         const float v = mmve_legacy_pair<F, MIN>(j.w[0] + o, j.w[1] + o, aq + t * n_cols,
-                                                 ads + t * nb, nb, sh[warp], shm[warp]);
+                                                 ads + t * nb, nb, sh[warp], shm[warp], wi,
+                                                 j.rows[0]);
         if ((threadIdx.x & 31) == 0) j.out[0][t * j.rows[0] + wi] = v;
         return;
     }
@@ -402,11 +412,11 @@ extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
 
 // Gate and up Q4_K rows in one warp (mmve_q4k_row's steps for each): each pass decodes
 // MMVE_CH / 2 groups of each, lanes 0 and 1 walk the gate row's two chains and lanes 8 and 9
-// the up row's. Lane 0 returns silu(gate) * up.
+// the up row's. Lane 0 returns silu(gate) * up (row wi of n_ff).
 __device__ __forceinline__ float mmve_q4k_pair(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
                                                const i8 *__restrict__ a,
                                                const float *__restrict__ d, int ng, bool gemm,
-                                               int (*sh)[2]) {
+                                               int (*sh)[2], int wi, int n_ff) {
     const int lane = threadIdx.x & 31;
     const int H = MMVE_CH / 2;
     float acc = 0.0f;
@@ -460,7 +470,7 @@ __device__ __forceinline__ float mmve_q4k_pair(const u8 *__restrict__ w0, const 
     }
     const float r = __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));  // lanes 0 and 8
     const float u = __shfl_sync(FULL_MASK, r, 8);
-    return __fmul_rn(silu_ggml(r), u);
+    return swiglu_cpu(r, u, wi, n_ff);
 }
 
 extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
@@ -475,7 +485,8 @@ extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
         if (wi >= j.rows[0]) return;
         const size_t o = (size_t)wi * nsb * 144;
         const float v = mmve_q4k_pair(j.w[0] + o, j.w[1] + o, aq + t * n_cols, dq + t * nsb,
-                                      n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5]);
+                                      n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5], wi,
+                                      j.rows[0]);
         if ((threadIdx.x & 31) == 0) j.out[0][t * j.rows[0] + wi] = v;
         return;
     }

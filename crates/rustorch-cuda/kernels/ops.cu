@@ -153,11 +153,13 @@ extern "C" __global__ void softcap_f32(float *x, float cap, long long n) {
     if (i < n) x[i] = __fmul_rn(tanhf(__fmul_rn(x[i], 1.0f / cap)), cap);
 }
 
-// gate = silu(gate) * up, SiLU as ggml's CPU backend computes it (exact.cu)
-extern "C" __global__ void swiglu(float *gate, const float *__restrict__ up, long long n) {
+// gate = silu(gate) * up over rows of n_row values, as ggml's CPU backend computes it
+// (exact.cu swiglu_cpu)
+extern "C" __global__ void swiglu(float *gate, const float *__restrict__ up, long long n,
+                                  int n_row) {
     PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) gate[i] = __fmul_rn(silu_ggml(gate[i]), up[i]);
+    if (i < n) gate[i] = swiglu_cpu(gate[i], up[i], (int)(i % n_row), n_row);
 }
 
 // gate = gelu(gate) * up, ggml's tanh approximation

@@ -495,6 +495,12 @@ impl<'a> Cuda<'a> {
         let key = RopeKey::of(rope, freqs);
         let t = &mut out.table;
         if t.key != Some(key) || t.n_pos < need {
+            // (grown outside dry runs and captures: a step that needs it runs op by op)
+            if dev.launch_mode() != LaunchMode::Run {
+                return Err(CudaError::Unsupported(
+                    "the RoPE table grows inside a recorded step".into(),
+                ));
+            }
             let n_pos = need.next_power_of_two().max(4096);
             let ff = match freqs {
                 Some(f) => Some(f.read(dev)?),
@@ -1070,7 +1076,9 @@ impl<'a> Backend for Cuda<'a> {
             self.hook("ffn_gate", il, gate);
             self.hook("ffn_up", il, up);
         }
-        self.dev.glu(act == Glu::Gelu, gate, up).map_err(be_err)
+        self.dev
+            .glu(act == Glu::Gelu, gate, up, wg.n_rows)
+            .map_err(be_err)
     }
 
     fn moe(

@@ -576,8 +576,15 @@ impl CudaDevice {
             )));
         }
         let n_tok = x.len() / n_cols;
-        if self.exact() && ws.iter().all(|w| exact_ok(w)) {
-            return self.mmv_exact(ws, x, n_tok, outs, false, s);
+        if self.exact() && ws.iter().any(|w| exact_ok(w)) {
+            if ws.iter().all(|w| exact_ok(w)) {
+                return self.mmv_exact(ws, x, n_tok, outs, false, s);
+            }
+            // the matrices with an exact product take it, the others the default kernels
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_many(&[w], x, &mut [&mut **out], s)?;
+            }
+            return Ok(());
         }
         if ws.iter().any(|w| !is_float(w.ty)) {
             self.quantize_acts(x, n_tok, n_cols, s)?;
@@ -1358,11 +1365,20 @@ impl CudaDevice {
     }
 
     /// `gate = act(gate) ⊙ up` (`gelu`: ggml's tanh approximation; else SiLU).
-    pub fn glu(&self, gelu: bool, gate: &mut GpuVec<f32>, up: &GpuVec<f32>) -> Result<()> {
+    pub fn glu(
+        &self,
+        gelu: bool,
+        gate: &mut GpuVec<f32>,
+        up: &GpuVec<f32>,
+        n_row: usize,
+    ) -> Result<()> {
         check_len("glu", up.len(), gate.len())?;
-        let (gp, up_, n) = (gate.ptr(), up.ptr(), gate.len() as i64);
-        let name = if gelu { "geglu" } else { "swiglu" };
-        self.launch_1d(name, gate.len(), &[&gp, &up_, &n])
+        let (gp, up_, n, nr) = (gate.ptr(), up.ptr(), gate.len() as i64, n_row.max(1) as i32);
+        if gelu {
+            self.launch_1d("geglu", gate.len(), &[&gp, &up_, &n])
+        } else {
+            self.launch_1d("swiglu", gate.len(), &[&gp, &up_, &n, &nr])
+        }
     }
 
     /// `out` = rows `rows` of `x` (rows of `width` values), in that order.
