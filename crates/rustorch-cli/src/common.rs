@@ -295,8 +295,9 @@ fn exact_gaps(model: &Model, gguf: &GgufFile) -> Vec<String> {
         .iter()
         .filter(|t| t.dims.len() == 2)
         .filter(|t| {
-            !matches!(t.ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q6_K)
-                && !(t.ty == Q4_K && t.dims[1] % 8 == 0)
+            let covered = matches!(t.ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q6_K)
+                || (t.ty == Q4_K && t.dims[1] % 8 == 0);
+            !covered
         })
         .map(|t| format!("{}", t.ty))
         .collect();
