@@ -72,6 +72,24 @@ struct AttnRope {
     int n_rot, neox;
 };
 
+// Query row t's cells: slots, positions, count and the visible positions min_pos..max_pos.
+struct AttnCells {
+    const u32 *SL, *P;
+    int nc;
+    u32 max_pos, min_pos;
+};
+
+__device__ __forceinline__ AttnCells attn_cells(const u64 *rows, int t, u32 window) {
+    const u64 *r = rows + 3 * (size_t)t;
+    AttnCells c;
+    c.SL = (const u32 *)r[0];
+    c.P = (const u32 *)r[1];
+    c.nc = (int)(r[2] & 0xffffffffull);
+    c.max_pos = (u32)(r[2] >> 32);
+    c.min_pos = (window != 0 && c.max_pos + 1 > window) ? c.max_pos + 1 - window : 0;
+    return c;
+}
+
 // A lane's 8 halves i0 .. i0+7 of an f16 row (0 past hd): one 16-byte load when `vec`
 // (hd and the row stride multiples of 8, rows 16-byte aligned).
 __device__ __forceinline__ uint4 load8h(const u16 *row, int i0, int hd, bool vec) {
@@ -118,12 +136,10 @@ __device__ __forceinline__ void attn_split(const float *__restrict__ q, const u6
     const int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane / LPC, i0 = (lane % LPC) * 8;
-    const u64 *r = rows + 3 * (size_t)t;
-    const u32 *SL = (const u32 *)r[0];
-    const u32 *P = (const u32 *)r[1];
-    const int nc = (int)(r[2] & 0xffffffffull);
-    const u32 max_pos = (u32)(r[2] >> 32);
-    const u32 min_pos = (window != 0 && max_pos + 1 > window) ? max_pos + 1 - window : 0;
+    const AttnCells cells = attn_cells(rows, t, window);
+    const u32 *SL = cells.SL, *P = cells.P;
+    const int nc = cells.nc;
+    const u32 max_pos = cells.max_pos, min_pos = cells.min_pos;
     const int kvh = h / (n_head / n_head_kv);
     const int chunk = (nc + n_split - 1) / n_split;
     const int c0 = sp * chunk;
@@ -382,15 +398,13 @@ __device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 
                                          u32 window, int native) {
     __shared__ float prod[32 * E];
     const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
-    const u64 *r = rows + 3 * (size_t)t;
-    const u32 *SL = (const u32 *)r[0];
-    const u32 *P = (const u32 *)r[1];
-    const int nc = (int)(r[2] & 0xffffffffull);
-    const u32 max_pos = (u32)(r[2] >> 32);
-    const u32 min_pos = (window != 0 && max_pos + 1 > window) ? max_pos + 1 - window : 0;
+    const AttnCells cells = attn_cells(rows, t, window);
+    const u32 *SL = cells.SL, *P = cells.P;
+    const int nc = cells.nc;
+    const u32 max_pos = cells.max_pos, min_pos = cells.min_pos;
     const int kvh = h / (n_head / n_head_kv);
-    const int np = hd & ~63, nb = np / 64;
-    const int npn = native ? (hd & ~127) : 0;
+    // values summed in the CPU's 64-wide steps (np, nb of them), natively in f16 (npn)
+    const int np = hd & ~63, nb = np / 64, npn = native ? (hd & ~127) : 0;
     const float *qh = q + ((size_t)t * n_head + h) * hd;
     float qr[E], acc[E];
 #pragma unroll
@@ -524,15 +538,13 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     __shared__ float Ssh;
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const u64 *r = rows + 3 * (size_t)t;
-    const u32 *SL = (const u32 *)r[0];
-    const u32 *P = (const u32 *)r[1];
-    const int nc = (int)(r[2] & 0xffffffffull);
-    const u32 max_pos = (u32)(r[2] >> 32);
-    const u32 min_pos = (window != 0 && max_pos + 1 > window) ? max_pos + 1 - window : 0;
+    const AttnCells cells = attn_cells(rows, t, window);
+    const u32 *SL = cells.SL, *P = cells.P;
+    const int nc = cells.nc;
+    const u32 max_pos = cells.max_pos, min_pos = cells.min_pos;
     const int kvh = h / (n_head / n_head_kv);
-    const int np = hd & ~63, nb = np / 64;
-    const int npn = native ? (hd & ~127) : 0;
+    // values summed in the CPU's 64-wide steps (np, nb of them), natively in f16 (npn)
+    const int np = hd & ~63, nb = np / 64, npn = native ? (hd & ~127) : 0;
     const float *qh = q + ((size_t)t * n_head + h) * hd;
     const u32 jnew = rope ? ar.new_slot[0] : 0xffffffffu;
     if (rope) {

@@ -132,71 +132,35 @@ __device__ __forceinline__ void mmve_store(const MmvJob &j, int m, int wi, bool 
         j.out[0][t * j.rows[0] + wi] = swiglu_cpu(v, up[warp + 1], wi, j.rows[0]);
 }
 
-// Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
-// rule (ads: per block d and s, each rounded to f16). Lane 0 returns the dot product.
-template <class F, bool MIN>
-__device__ __forceinline__ float mmve_legacy_row(const u8 *__restrict__ wr,
-                                                 const i8 *__restrict__ a,
-                                                 const float2 *__restrict__ ad, int nb,
-                                                 float (*sh)[9], float2 *shm) {
-    const int lane = threadIdx.x & 31;
-    float acc = 0.0f, summs = 0.0f;
-    for (int b0 = 0; b0 < nb; b0 += MMVE_CH) {
-#pragma unroll
-        for (int i = 0; i < MMVE_G; i++) {
-            const int bl = 32 * i + lane, b = b0 + bl;
-            if (b < nb) {
-                Group g;
-                F::decode(wr + (size_t)b * F::BYTES, 0, g);
-                const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
-                const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
-                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const float2 ds = ad[b];
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    sh[bl][k] =
-                        __int2float_rn(dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0)));
-                sh[bl][8] = __fmul_rn(g.d0, ds.x);
-                if (MIN) shm[bl] = make_float2(g.m0, ds.y);
-            }
-        }
-        __syncwarp();
-        const int n = min(MMVE_CH, nb - b0);
-        if (lane < 8) {
-#pragma unroll 8
-            for (int j = 0; j < n; j++) acc = __fmaf_rn(sh[j][8], sh[j][lane], acc);
-        } else if (MIN && lane == 8) {
-#pragma unroll 8
-            for (int j = 0; j < n; j++) summs = __fmaf_rn(shm[j].x, shm[j].y, summs);
-        }
-        __syncwarp();
-    }
-    const float sum = hsum8_lanes(acc);
-    const float sm = __shfl_sync(FULL_MASK, summs, 8);
-    return MIN ? __fadd_rn(sum, sm) : sum;
+// With glu and two rows per warp: lane 0 holds gate row wi's value, lane 8 up's; lane 0
+// stores silu(gate) * up for token blockIdx.y.
+__device__ __forceinline__ void mmve_glu_store(const MmvJob &j, int wi, float v) {
+    const float u = __shfl_sync(FULL_MASK, v, 8);
+    if ((threadIdx.x & 31) == 0)
+        j.out[0][(size_t)blockIdx.y * j.rows[0] + wi] = swiglu_cpu(v, u, wi, j.rows[0]);
 }
 
-// Gate and up row of a legacy format in one warp (both rows' loads in flight together): each
-// pass decodes MMVE_CH / 2 groups of each, lanes 0..7 walk the gate row's chains and lanes
-// 8..15 the up row's (lanes 16 and 24 their minimum terms). Lane 0 returns silu(gate) * up
-// (row wi of n_ff).
-template <class F, bool MIN>
-__device__ __forceinline__ float mmve_legacy_pair(const u8 *__restrict__ w0,
+// Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
+// rule (ads: per block d and s, each rounded to f16), R (1 or 2) rows of one warp against
+// the same activations (gate and up: both rows' loads in flight together). Each pass
+// decodes MMVE_CH / R groups of each row; lanes 8r .. 8r + 7 walk row r's lane chains and
+// lane 16 + 8r its minimum term. Lane 8r returns row r's dot product.
+template <class F, bool MIN, int R>
+__device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
                                                   const u8 *__restrict__ w1,
                                                   const i8 *__restrict__ a,
                                                   const float2 *__restrict__ ad, int nb,
-                                                  float (*sh)[9], float2 *shm, int wi,
-                                                  int n_ff) {
+                                                  float (*sh)[9], float2 *shm) {
     const int lane = threadIdx.x & 31;
-    const int H = MMVE_CH / 2;
+    const int H = MMVE_CH / R;
     float acc = 0.0f, summs = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += H) {
 #pragma unroll
         for (int i = 0; i < MMVE_G; i++) {
-            const int sl = 32 * i + lane, up = sl >= H, b = b0 + sl - (up ? H : 0);
+            const int sl = 32 * i + lane, r = sl / H, b = b0 + sl - r * H;
             if (b < nb) {
                 Group g;
-                F::decode((up ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
+                F::decode((r ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
                 const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
                 const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
                 const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
@@ -211,24 +175,21 @@ __device__ __forceinline__ float mmve_legacy_pair(const u8 *__restrict__ w0,
         }
         __syncwarp();
         const int n = min(H, nb - b0);
-        const int base = lane >= 8 ? H : 0;
-        if (lane < 16) {
-            const int l = lane & 7;
+        if (lane < 8 * R) {
+            const int base = (lane >> 3) * H, l = lane & 7;
 #pragma unroll 8
             for (int jj = 0; jj < n; jj++) acc = __fmaf_rn(sh[base + jj][8], sh[base + jj][l], acc);
-        } else if (MIN && (lane == 16 || lane == 24)) {
-            const int bm = lane == 24 ? H : 0;
+        } else if (MIN && (lane == 16 || (R == 2 && lane == 24))) {
+            const int base = lane == 24 ? H : 0;
 #pragma unroll 8
             for (int jj = 0; jj < n; jj++)
-                summs = __fmaf_rn(shm[bm + jj].x, shm[bm + jj].y, summs);
+                summs = __fmaf_rn(shm[base + jj].x, shm[base + jj].y, summs);
         }
         __syncwarp();
     }
-    const float sum = hsum8_lanes(acc);  // lane 0: gate, lane 8: up
-    const float sm = __shfl_down_sync(FULL_MASK, summs, 16);  // lane 0: gate's, 8: up's
-    const float v = MIN ? __fadd_rn(sum, sm) : sum;
-    const float u = __shfl_sync(FULL_MASK, v, 8);
-    return swiglu_cpu(v, u, wi, n_ff);
+    const float sum = hsum8_lanes(acc);
+    const float sm = __shfl_down_sync(FULL_MASK, summs, 16);
+    return MIN ? __fadd_rn(sum, sm) : sum;
 }
 
 template <class F, bool MIN>
@@ -244,18 +205,19 @@ __device__ __forceinline__ void mmve_legacy(const MmvJob &j, const i8 *__restric
         const int wi = blockIdx.x * MMVE_WARPS + warp;
         if (wi >= j.rows[0]) return;
         const size_t o = (size_t)wi * nb * F::BYTES;
-        const float v = mmve_legacy_pair<F, MIN>(j.w[0] + o, j.w[1] + o, aq + t * n_cols,
-                                                 ads + t * nb, nb, sh[warp], shm[warp], wi,
-                                                 j.rows[0]);
-        if ((threadIdx.x & 31) == 0) j.out[0][t * j.rows[0] + wi] = v;
+        const float v = mmve_legacy_rows<F, MIN, 2>(j.w[0] + o, j.w[1] + o, aq + t * n_cols,
+                                                    ads + t * nb, nb, sh[warp], shm[warp]);
+        mmve_glu_store(j, wi, v);
         return;
     }
     int m, wi;
     const bool has = mmve_row(j, m, wi);
     float v = 0.0f;
-    if (has)
-        v = mmve_legacy_row<F, MIN>(job_w(j, m) + (size_t)wi * nb * F::BYTES, aq + t * n_cols,
-                                    ads + t * nb, nb, sh[warp], shm[warp]);
+    if (has) {
+        const u8 *wr = job_w(j, m) + (size_t)wi * nb * F::BYTES;
+        v = mmve_legacy_rows<F, MIN, 1>(wr, wr, aq + t * n_cols, ads + t * nb, nb, sh[warp],
+                                        shm[warp]);
+    }
     mmve_store(j, m, wi, has, v);
 }
 
@@ -326,18 +288,23 @@ __device__ __forceinline__ float mmve_q6k_row(const u8 *__restrict__ wr, const i
 // imin = sum of m[s] * B[s] (B: the sub-block's activation code sum), then
 // acc = fma(f32(isum), d_w * d_a, acc), accm = fma(f32(imin), dmin_w * d_a, accm); the
 // result acc - accm. With `gemm` (the CPU's gemm rows) the fused steps go per pair of
-// sub-blocks instead of per super-block.
-__device__ __forceinline__ float mmve_q4k_row(const u8 *__restrict__ wr, const i8 *__restrict__ a,
-                                              const float *__restrict__ d, int ng, bool gemm,
-                                              int (*sh)[2]) {
+// sub-blocks instead of per super-block. R (1 or 2) rows per warp as mmve_legacy_rows:
+// lanes 8r and 8r + 1 walk row r's two chains; lane 8r returns row r's value.
+template <int R>
+__device__ __forceinline__ float mmve_q4k_rows(const u8 *__restrict__ w0,
+                                               const u8 *__restrict__ w1,
+                                               const i8 *__restrict__ a,
+                                               const float *__restrict__ d, int ng, bool gemm,
+                                               int (*sh)[2]) {
     const int lane = threadIdx.x & 31;
-    float acc = 0.0f;  // lane 0: the scaled sums; lane 1: the mins
-    for (int g0 = 0; g0 < ng; g0 += MMVE_CH) {
+    const int H = MMVE_CH / R;
+    float acc = 0.0f;
+    for (int g0 = 0; g0 < ng; g0 += H) {
 #pragma unroll
         for (int i = 0; i < MMVE_G; i++) {
-            const int gl = 32 * i + lane, gi = g0 + gl;
+            const int sl = 32 * i + lane, r = sl / H, gi = g0 + sl - r * H;
             if (gi < ng) {
-                const u8 *blk = wr + (size_t)(gi >> 3) * 144;
+                const u8 *blk = (r ? w1 : w0) + (size_t)(gi >> 3) * 144;
                 const int g = gi & 7;
                 Group w;
                 FQ4_K::decode(blk, g, w);
@@ -352,33 +319,35 @@ __device__ __forceinline__ float mmve_q4k_row(const u8 *__restrict__ wr, const i
                     dot = dp4a(w.v[k], av[k], dot);
                     bs = dp4a(0x01010101, av[k], bs);
                 }
-                sh[gl][0] = sc * dot;
-                sh[gl][1] = mn * bs;
+                sh[sl][0] = sc * dot;
+                sh[sl][1] = mn * bs;
             }
         }
         __syncwarp();
-        if (lane < 2) {
-            const int n = min(MMVE_CH, ng - g0);
+        if ((lane & 7) < 2 && lane < 8 * R) {
+            const int c = lane & 1, base = (lane >> 3) * H;
+            const u8 *wr = lane >= 8 ? w1 : w0;
+            const int n = min(H, ng - g0);
             for (int j = 0; j < n; j += 8) {
                 const int sb = (g0 + j) >> 3;
-                const float ds = __fmul_rn(h2f(ld_u16(wr + (size_t)sb * 144 + 2 * lane)), d[sb]);
+                const float ds = __fmul_rn(h2f(ld_u16(wr + (size_t)sb * 144 + 2 * c)), d[sb]);
                 if (gemm) {
 #pragma unroll
                     for (int p = 0; p < 4; p++) {
-                        const int v = sh[j + 2 * p][lane] + sh[j + 2 * p + 1][lane];
+                        const int v = sh[base + j + 2 * p][c] + sh[base + j + 2 * p + 1][c];
                         acc = __fmaf_rn(__int2float_rn(v), ds, acc);
                     }
                 } else {
                     int v = 0;
 #pragma unroll
-                    for (int q = 0; q < 8; q++) v += sh[j + q][lane];
+                    for (int q = 0; q < 8; q++) v += sh[base + j + q][c];
                     acc = __fmaf_rn(__int2float_rn(v), ds, acc);
                 }
             }
         }
         __syncwarp();
     }
-    return __fsub_rn(acc, __shfl_sync(FULL_MASK, acc, 1));
+    return __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));
 }
 
 #define MMVE_LEGACY(NAME, F, MIN)                                                             \
@@ -410,69 +379,6 @@ extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
     mmve_store(j, m, wi, has, v);
 }
 
-// Gate and up Q4_K rows in one warp (mmve_q4k_row's steps for each): each pass decodes
-// MMVE_CH / 2 groups of each, lanes 0 and 1 walk the gate row's two chains and lanes 8 and 9
-// the up row's. Lane 0 returns silu(gate) * up (row wi of n_ff).
-__device__ __forceinline__ float mmve_q4k_pair(const u8 *__restrict__ w0, const u8 *__restrict__ w1,
-                                               const i8 *__restrict__ a,
-                                               const float *__restrict__ d, int ng, bool gemm,
-                                               int (*sh)[2], int wi, int n_ff) {
-    const int lane = threadIdx.x & 31;
-    const int H = MMVE_CH / 2;
-    float acc = 0.0f;
-    for (int g0 = 0; g0 < ng; g0 += H) {
-#pragma unroll
-        for (int i = 0; i < MMVE_G; i++) {
-            const int sl = 32 * i + lane, up = sl >= H, gi = g0 + sl - (up ? H : 0);
-            if (gi < ng) {
-                const u8 *blk = (up ? w1 : w0) + (size_t)(gi >> 3) * 144;
-                const int g = gi & 7;
-                Group w;
-                FQ4_K::decode(blk, g, w);
-                int sc, mn;
-                scale_min_k4(blk + 4, g, sc, mn);
-                const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-                const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                int dot = 0, bs = 0;
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    dot = dp4a(w.v[k], av[k], dot);
-                    bs = dp4a(0x01010101, av[k], bs);
-                }
-                sh[sl][0] = sc * dot;
-                sh[sl][1] = mn * bs;
-            }
-        }
-        __syncwarp();
-        if ((lane & ~9) == 0) {  // lanes 0, 1 (gate) and 8, 9 (up)
-            const int c = lane & 1, base = lane >= 8 ? H : 0;
-            const u8 *wr = lane >= 8 ? w1 : w0;
-            const int n = min(H, ng - g0);
-            for (int j = 0; j < n; j += 8) {
-                const int sb = (g0 + j) >> 3;
-                const float ds = __fmul_rn(h2f(ld_u16(wr + (size_t)sb * 144 + 2 * c)), d[sb]);
-                if (gemm) {
-#pragma unroll
-                    for (int p = 0; p < 4; p++) {
-                        const int v = sh[base + j + 2 * p][c] + sh[base + j + 2 * p + 1][c];
-                        acc = __fmaf_rn(__int2float_rn(v), ds, acc);
-                    }
-                } else {
-                    int v = 0;
-#pragma unroll
-                    for (int q = 0; q < 8; q++) v += sh[base + j + q][c];
-                    acc = __fmaf_rn(__int2float_rn(v), ds, acc);
-                }
-            }
-        }
-        __syncwarp();
-    }
-    const float r = __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));  // lanes 0 and 8
-    const float u = __shfl_sync(FULL_MASK, r, 8);
-    return swiglu_cpu(r, u, wi, n_ff);
-}
-
 extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
     mmve_q4_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
     PDL_ENTRY_AFTER(mmvq1_prefetch<FQ4_K>(j, n_cols, 1));
@@ -484,18 +390,19 @@ extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
         const int wi = blockIdx.x * MMVE_WARPS + (threadIdx.x >> 5);
         if (wi >= j.rows[0]) return;
         const size_t o = (size_t)wi * nsb * 144;
-        const float v = mmve_q4k_pair(j.w[0] + o, j.w[1] + o, aq + t * n_cols, dq + t * nsb,
-                                      n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5], wi,
-                                      j.rows[0]);
-        if ((threadIdx.x & 31) == 0) j.out[0][t * j.rows[0] + wi] = v;
+        const float v = mmve_q4k_rows<2>(j.w[0] + o, j.w[1] + o, aq + t * n_cols, dq + t * nsb,
+                                         n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5]);
+        mmve_glu_store(j, wi, v);
         return;
     }
     int m, wi;
     const bool has = mmve_row(j, m, wi);
     float v = 0.0f;
-    if (has)
-        v = mmve_q4k_row(job_w(j, m) + (size_t)wi * nsb * 144, aq + t * n_cols, dq + t * nsb,
-                         n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5]);
+    if (has) {
+        const u8 *wr = job_w(j, m) + (size_t)wi * nsb * 144;
+        v = mmve_q4k_rows<1>(wr, wr, aq + t * n_cols, dq + t * nsb, n_cols >> 5, (int)t < mode,
+                             sh[threadIdx.x >> 5]);
+    }
     mmve_store(j, m, wi, has, v);
 }
 

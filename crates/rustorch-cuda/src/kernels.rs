@@ -650,17 +650,8 @@ impl CudaDevice {
                 }
                 ExactActs::Q8 => {
                     // (RUSTORCH_CUDA_Q8=f32: the shared quantization is not the CPU's)
-                    s.eq.resize(self, n_tok * n_cols)?;
-                    s.eds.resize(self, n_tok * n_cols / 32 * 2)?;
-                    let (xp, eq, eds, cpu) = (x.ptr(), s.eq.ptr(), s.eds.ptr(), 1i32);
-                    self.launch(
-                        "quantize_q8_1",
-                        (blocks(n_cols / 32, 8), n_tok as u32, 1),
-                        256,
-                        &[&xp, &eq, &eds, &nc, &cpu],
-                    )?;
                     q8k_done = None;
-                    (eq, eds)
+                    self.quantize_exact(x, n_tok, n_cols, 32, 1, s)?
                 }
                 ExactActs::Q8K => {
                     if !n_cols.is_multiple_of(256) {
@@ -669,18 +660,11 @@ impl CudaDevice {
                         )));
                     }
                     if q8k_done != Some(n_4x8) {
-                        s.eq.resize(self, n_tok * n_cols)?;
-                        s.eds.resize(self, n_tok * n_cols / 256)?;
-                        let (xp, eq, eds, n4) = (x.ptr(), s.eq.ptr(), s.eds.ptr(), n_4x8 as i32);
-                        self.launch(
-                            "quantize_q8_k",
-                            (blocks(n_cols / 256, 4), n_tok as u32, 1),
-                            128,
-                            &[&xp, &eq, &eds, &nc, &n4],
-                        )?;
                         q8k_done = Some(n_4x8);
+                        self.quantize_exact(x, n_tok, n_cols, 256, n_4x8 as i32, s)?
+                    } else {
+                        (s.eq.ptr(), s.eds.ptr())
                     }
-                    (s.eq.ptr(), s.eds.ptr())
                 }
             };
             let mut job = MmvJob {
@@ -716,6 +700,37 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `x` quantized into `s.eq`/`s.eds` with the CPU's rule: blocks of 32 (Q8_0 / Q8_1,
+    /// `quantize_q8_1` with `arg` = 1, the CPU flag) or of 256 (Q8_K, `quantize_q8_k` with
+    /// `arg` tokens taking the 4x8 rule). Returns the codes' and scales' addresses.
+    fn quantize_exact(
+        &self,
+        x: &GpuVec<f32>,
+        n_tok: usize,
+        n_cols: usize,
+        block: usize,
+        arg: i32,
+        s: &mut Scratch,
+    ) -> Result<(u64, u64)> {
+        let per32 = block == 32;
+        s.eq.resize(self, n_tok * n_cols)?;
+        s.eds
+            .resize(self, n_tok * n_cols / block * if per32 { 2 } else { 1 })?;
+        let (xp, eq, eds, nc) = (x.ptr(), s.eq.ptr(), s.eds.ptr(), n_cols as i32);
+        let (name, per_block, threads) = if per32 {
+            ("quantize_q8_1", 8, 256)
+        } else {
+            ("quantize_q8_k", 4, 128)
+        };
+        self.launch(
+            name,
+            (blocks(n_cols / block, per_block), n_tok as u32, 1),
+            threads,
+            &[&xp, &eq, &eds, &nc, &arg],
+        )?;
+        Ok((eq, eds))
+    }
+
     /// `gate = silu(x·Wg) ⊙ x·Wu` with the CPU's arithmetic ([`CudaDevice::set_exact`]), where both
     /// matrices have an exact product.
     fn glu_exact(
@@ -731,6 +746,29 @@ impl CudaDevice {
         }
         let n_tok = x.len() / wg.n_cols;
         Some(self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s))
+    }
+
+    /// Makes room in `s` for the 8-bit quantization of an attention output `out` (`len`
+    /// values in rows of `width`; heads of `hd` values, a multiple of 32, else none) and
+    /// records it as the activations of the product that follows. Returns the kernels'
+    /// `quant` flag.
+    fn quantized_out(
+        &self,
+        s: &mut Scratch,
+        out: &GpuVec<f32>,
+        len: usize,
+        width: usize,
+        hd: usize,
+    ) -> Result<i32> {
+        if !hd.is_multiple_of(32) {
+            s.acts_of = None;
+            return Ok(0);
+        }
+        s.aq.resize(self, len)?;
+        s.ads.resize(self, len / 32 * 2)?;
+        s.acts_of = Some((out.ptr(), len, width));
+        s.alt = false;
+        Ok(1)
     }
 
     /// Tokens of each launch: tiles of 1, 2, 4 or 8 over `n_tok`, as `(first, count, tile)`.
@@ -1492,17 +1530,16 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        if split.is_none() && self.exact() && hd <= 256 {
-            // the output quantized for the product that follows (the CPU's rule)
-            let quant = i32::from(hd.is_multiple_of(32));
-            if quant == 1 {
-                s.aq.resize(self, n * nh * hd)?;
-                s.ads.resize(self, n * nh * hd / 32 * 2)?;
-                s.acts_of = Some((out.ptr(), n * nh * hd, nh * hd));
-                s.alt = false;
+        if split.is_none() && (arith().attn_cpu || self.exact()) {
+            // the CPU's arithmetic: exact mode's kernel (which also quantizes its output for
+            // the product that follows), or one warp walking each head's cells
+            let exact = self.exact();
+            let quant = if exact {
+                self.quantized_out(s, out, n * nh * hd, nh * hd, hd)?
             } else {
                 s.acts_of = None;
-            }
+                0
+            };
             let scale = if shape.softcap != 0.0 {
                 shape.scale / shape.softcap
             } else {
@@ -1519,41 +1556,17 @@ impl CudaDevice {
             let (cap, win) = (shape.softcap, shape.window);
             let inline = i32::from(rope.is_some());
             let ar = rope.copied().unwrap_or_default();
-            return self.launch(
-                "attn_exact",
-                (nh as u32, n as u32, 1),
-                288,
-                &[
-                    &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
-                    &native, &aq, &ads, &quant, &inline, &ar,
-                ],
-            );
-        }
-        if split.is_none() && (arith().attn_cpu || self.exact()) {
-            s.acts_of = None;
-            let scale = if shape.softcap != 0.0 {
-                shape.scale / shape.softcap
-            } else {
-                shape.scale
-            };
-            let native = i32::from(rustorch_core::kernels::native_f16());
-            let (qp, op) = (q.ptr(), out.ptr());
-            let (nhi, nkv, hdi, kvs) = (
-                nh as i32,
-                shape.n_head_kv as i32,
-                hd as i32,
-                shape.kv_stride as i32,
-            );
-            let (cap, win) = (shape.softcap, shape.window);
-            return self.launch(
-                &format!("attn_cpu_{e}"),
-                (nh as u32, n as u32, 1),
-                32,
-                &[
-                    &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
-                    &native,
-                ],
-            );
+            let args: [&dyn KernelArg; 13] = [
+                &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
+                &native,
+            ];
+            let grid = (nh as u32, n as u32, 1);
+            if !exact {
+                return self.launch(&format!("attn_cpu_{e}"), grid, 32, &args);
+            }
+            let mut all: Vec<&dyn KernelArg> = args.to_vec();
+            all.extend_from_slice(&[&aq, &ads, &quant, &inline, &ar]);
+            return self.launch("attn_exact", grid, 288, &all);
         }
         let n_split = match split {
             Some(k) => k.max(1),
@@ -1568,15 +1581,7 @@ impl CudaDevice {
             s.part.resize(self, n * nh * n_split * (hd + 2))?;
         }
         // the output quantized for the product that follows
-        let quant = i32::from(hd.is_multiple_of(32));
-        if quant == 1 {
-            s.aq.resize(self, n * nh * hd)?;
-            s.ads.resize(self, n * nh * hd / 32 * 2)?;
-            s.acts_of = Some((out.ptr(), n * nh * hd, nh * hd));
-            s.alt = false;
-        } else {
-            s.acts_of = None;
-        }
+        let quant = self.quantized_out(s, out, n * nh * hd, nh * hd, hd)?;
         let (aq, ads, cpu) = (s.aq.ptr(), s.ads.ptr(), i32::from(arith().q8_cpu));
         let (qp, pp, op) = (q.ptr(), s.part.ptr(), out.ptr());
         let (nhi, nkv, hdi, kvs, ns) = (
