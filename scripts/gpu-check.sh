@@ -4,7 +4,8 @@
 # binary if given (crates/rustorch-llm/tests/gpu.rs: GPU against CPU, KL / top-1 / greedy),
 # `rustorch diff` CPU against CUDA on each model, and `rustorch bench --device cuda`, then
 # print the table last: t/s and the fraction of the bandwidth floor (bytes of weights + KV
-# read per token ÷ the device's copy rate, 3.0 TB/s on an H100 SXM unless BW_GBS says).
+# read per token ÷ the device's copy rate, 3.0 TB/s on an H100 SXM unless BW_GBS says), and
+# tg128 with the CPU's arithmetic (--gpu-exact) beside it.
 #
 #   scripts/gpu-check.sh BIN [--vocab models/vocab/ggml-vocab-llama-spm.gguf] [--dir /tmp/gpu-check]
 #                            [--types f16,q8_0,q4_0,q4_k] [--test GPU_TEST_BIN] [-r 5]
@@ -54,9 +55,13 @@ rows=()
 for m in "${models[@]}"; do
   json="${m%.gguf}.bench.json"
   "$bin" bench -m "$m" --device cuda -p 512 -n 128 -r "$reps" -o json > "$json"
-  rows+=("$(python3 - "$m" "$bw" "$json" <<'EOF'
+  # decode with the CPU's arithmetic (--gpu-exact), for the last column
+  "$bin" bench -m "$m" --device cuda -p 0 -n 128 -r "$reps" -o json --gpu-exact \
+    > "${m%.gguf}.exact.json" 2>/dev/null
+  rows+=("$(python3 - "$m" "$bw" "$json" "${m%.gguf}.exact.json" <<'EOF'
 import json, os, sys
 m, bw, path = sys.argv[1], float(sys.argv[2]) * 1e9, sys.argv[3]
+exact = json.load(open(sys.argv[4]))[0]["avg_ts"]
 res = json.load(open(path))
 pp = next(r for r in res if r["n_prompt"] > 0)
 tg = next(r for r in res if r["n_gen"] > 0)
@@ -64,11 +69,11 @@ tg = next(r for r in res if r["n_gen"] > 0)
 # (on average half of the 128, each kv_cache_bytes / n_gen bytes)
 per_cell = tg["kv_cache_bytes"] / max(1, tg["n_gen"])
 floor = bw / (tg["model_size"] + per_cell * tg["n_gen"] / 2)
-print(f"| {os.path.basename(m)} | {tg['gpu_info']} | {pp['avg_ts']:.1f} | {tg['avg_ts']:.1f} | {floor:.0f} | {tg['avg_ts'] / floor:.2f} |")
+print(f"| {os.path.basename(m)} | {tg['gpu_info']} | {pp['avg_ts']:.1f} | {tg['avg_ts']:.1f} | {floor:.0f} | {tg['avg_ts'] / floor:.2f} | {exact:.1f} |")
 EOF
 )")
 done
 echo
-echo "| model | GPU | pp512 t/s | tg128 t/s | tg floor t/s (${bw} GB/s) | fraction of floor |"
-echo "| --- | --- | ---: | ---: | ---: | ---: |"
+echo "| model | GPU | pp512 t/s | tg128 t/s | tg floor t/s (${bw} GB/s) | fraction of floor | tg128 --gpu-exact |"
+echo "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
 printf '%s\n' "${rows[@]}"
