@@ -370,14 +370,14 @@ extern "C" __global__ void attn_combine(const float *__restrict__ part, float *_
 
 // ---------------------------------------------------------------------------------------
 // Attention with the CPU backend's arithmetic (llama.cpp's CPU flash attention, see
-// rustorch-core kernels/attn.rs): one warp per (head, row) walks the row's cells in order;
-// the score is the f16 dot product summed in the CPU's order (four 16-lane accumulators over
-// blocks of 64, reduced (a0 + a2) + (a1 + a3), lanes l + 8, l + 4, then (u0 + u2) + (u1 + u3),
-// leftovers added in f64), times `scale` (already divided by `softcap` when capping); the
-// online softmax rescales on a new maximum; the value accumulator is an f16 vector rounded
-// after every update (f32 fused multiply-add then f16; with `native`, elements below the
-// last multiple of 128 are rounded once from the exact value with the weight rounded to
-// f16, as AVX512-FP16 builds do). Grid (n_head, n_rows), 32 threads.
+// rustorch-core kernels/attn.rs; RUSTORCH_CUDA_ATTN=cpu and exact mode): the score is the
+// f16 dot product summed in the CPU's order (four 16-lane accumulators over blocks of 64,
+// reduced (a0 + a2) + (a1 + a3), lanes l + 8, l + 4, then (u0 + u2) + (u1 + u3), leftovers
+// added in f64), times `scale` (already divided by `softcap` when capping); the online
+// softmax rescales on a new maximum (glibc's expf); the value accumulator is an f16 vector
+// rounded after every update (f32 fused multiply-add then f16; with `native`, elements
+// below the last multiple of 128 are rounded once from the exact value with the weight
+// rounded to f16, as AVX512-FP16 builds do).
 
 // f64 to f16 with one rounding: round to odd into f32, then to nearest even.
 __device__ __forceinline__ u16 f64_to_f16(double x) {
@@ -390,112 +390,10 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
     return f2h(f);
 }
 
-template <int E>
-__device__ __forceinline__ void attn_cpu(const float *__restrict__ q, const u64 *__restrict__ rows,
-                                         const u16 *__restrict__ K, const u16 *__restrict__ V,
-                                         float *__restrict__ out, int n_head, int n_head_kv,
-                                         int hd, int kv_stride, float scale, float softcap,
-                                         u32 window, int native) {
-    __shared__ float prod[32 * E];
-    const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
-    const AttnCells cells = attn_cells(rows, t, window);
-    const u32 *SL = cells.SL, *P = cells.P;
-    const int nc = cells.nc;
-    const u32 max_pos = cells.max_pos, min_pos = cells.min_pos;
-    const int kvh = h / (n_head / n_head_kv);
-    // values summed in the CPU's 64-wide steps (np, nb of them), natively in f16 (npn)
-    const int np = hd & ~63, nb = np / 64, npn = native ? (hd & ~127) : 0;
-    const float *qh = q + ((size_t)t * n_head + h) * hd;
-    float qr[E], acc[E];
-#pragma unroll
-    for (int e = 0; e < E; e++) {
-        const int i = lane * E + e;
-        qr[e] = i < hd ? h2f(f2h(qh[i])) : 0.0f;
-        acc[e] = 0.0f;
-    }
-    float m = NEG_INF, S = 0.0f;
-    for (int c = 0; c < nc; c++) {
-        const u32 p = P[c];
-        if (p > max_pos || p < min_pos) continue;
-        const size_t j = SL ? SL[c] : (u32)c;
-        const u16 *kr = K + j * kv_stride + (size_t)kvh * hd;
-        const u16 *vr = V + j * kv_stride + (size_t)kvh * hd;
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            const int i = lane * E + e;
-            if (i < hd) prod[i] = qr[e] * h2f(kr[i]);  // exact: f16 x f16 fits in f32
-        }
-        __syncwarp();
-        float a = 0.0f;
-        if (lane < 16) {
-            float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int b = 0; b < nb; b++) {
-#pragma unroll
-                for (int k = 0; k < 4; k++) a4[k] = __fadd_rn(a4[k], prod[64 * b + 16 * k + lane]);
-            }
-            a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
-        }
-        const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8));
-        const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4));
-        const float u0 = __shfl_sync(FULL_MASK, w4, 0), u1 = __shfl_sync(FULL_MASK, w4, 1);
-        const float u2 = __shfl_sync(FULL_MASK, w4, 2), u3 = __shfl_sync(FULL_MASK, w4, 3);
-        double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
-        for (int i = np; i < hd; i++) sum += (double)prod[i];
-        __syncwarp();
-        float s = __fmul_rn((float)sum, scale);
-        if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
-        float ms = 1.0f, vs = 1.0f;
-        if (s > m) {
-            ms = expf_glibc(m - s);
-            m = s;
-            const double ms16 = (double)h2f(f2h(ms));
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                const int i = lane * E + e;
-                acc[e] = i < npn ? h2f(f64_to_f16((double)acc[e] * ms16))
-                                 : h2f(f2h(__fmul_rn(acc[e], ms)));
-            }
-        } else {
-            vs = expf_glibc(s - m);
-        }
-        const double vs16 = (double)h2f(f2h(vs));
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            const int i = lane * E + e;
-            if (i < hd) {
-                const float vf = h2f(vr[i]);
-                acc[e] = i < npn ? h2f(f64_to_f16(fma((double)vf, vs16, (double)acc[e])))
-                                 : h2f(f2h(__fmaf_rn(vf, vs, acc[e])));
-            }
-        }
-        S = __fmaf_rn(S, ms, vs);
-    }
-    const float inv = S == 0.0f ? 0.0f : __fdiv_rn(1.0f, S);
-    float *o = out + ((size_t)t * n_head + h) * hd;
-#pragma unroll
-    for (int e = 0; e < E; e++) {
-        const int i = lane * E + e;
-        if (i < hd) o[i] = __fmul_rn(acc[e], inv);
-    }
-}
-
-#define ATTN_CPU_KERNEL(E)                                                                    \
-    extern "C" __global__ void __launch_bounds__(32)                                         \
-        attn_cpu_##E(const float *q, const u64 *rows, const u16 *K, const u16 *V, float *out, \
-                     int n_head, int n_head_kv, int hd, int kv_stride, float scale,          \
-                     float softcap, u32 window, int native) {                                \
-        PDL_ENTRY();                                                                         \
-        attn_cpu<E>(q, rows, K, V, out, n_head, n_head_kv, hd, kv_stride, scale, softcap,    \
-                    window, native);                                                         \
-    }
-
-ATTN_CPU_KERNEL(2)
-ATTN_CPU_KERNEL(4)
-ATTN_CPU_KERNEL(8)
 
 // ---------------------------------------------------------------------------------------
-// attn_cpu's arithmetic, bit for bit, with the independent parts in parallel
-// (RUSTORCH_CUDA_EXACT=1). Per (head, row) block, in chunks of AE_CELLS cells:
+// attn_exact: that arithmetic, bit for bit, with the independent parts in parallel. Per
+// (head, row) block, in chunks of AE_CELLS cells:
 //   1. every visible cell's score, a half-warp per cell: lane l keeps the four running sums
 //      of elements 64b + 16k + l (k = 0..3) as the CPU's 4 x 16 lanes, then (a0 + a2) +
 //      (a1 + a3), then the lane tree of _mm512_reduce_add_ps; leftovers past a multiple of 64

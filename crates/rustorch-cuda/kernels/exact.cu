@@ -192,35 +192,6 @@ __device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
     return MIN ? __fadd_rn(sum, sm) : sum;
 }
 
-template <class F, bool MIN>
-__device__ __forceinline__ void mmve_legacy(const MmvJob &j, const i8 *__restrict__ aq,
-                                            const float2 *__restrict__ ads, int n_cols) {
-    __shared__ float sh[MMVE_WARPS][MMVE_CH][9];
-    __shared__ float2 shm[MMVE_WARPS][MIN ? MMVE_CH : 1];
-    const int warp = threadIdx.x >> 5;
-    const size_t t = blockIdx.y;
-    const int nb = n_cols >> 5;
-    if (j.glu) {
-        // (a warp per row: no block barrier)
-        const int wi = blockIdx.x * MMVE_WARPS + warp;
-        if (wi >= j.rows[0]) return;
-        const size_t o = (size_t)wi * nb * F::BYTES;
-        const float v = mmve_legacy_rows<F, MIN, 2>(j.w[0] + o, j.w[1] + o, aq + t * n_cols,
-                                                    ads + t * nb, nb, sh[warp], shm[warp]);
-        mmve_glu_store(j, wi, v);
-        return;
-    }
-    int m, wi;
-    const bool has = mmve_row(j, m, wi);
-    float v = 0.0f;
-    if (has) {
-        const u8 *wr = job_w(j, m) + (size_t)wi * nb * F::BYTES;
-        v = mmve_legacy_rows<F, MIN, 1>(wr, wr, aq + t * n_cols, ads + t * nb, nb, sh[warp],
-                                        shm[warp]);
-    }
-    mmve_store(j, m, wi, has, v);
-}
-
 // Q6_K against Q8_K activations (dq: per 256 values the f32 scale): per super-block eight
 // lane sums (dot::q6k_lanes: lane l holds sc * q * a of values 4l..4l+3 of every 32, q
 // unsigned, minus 32 * sc * a over sub-blocks 2l and 2l + 1), one fused multiply-add each
@@ -350,11 +321,81 @@ __device__ __forceinline__ float mmve_q4k_rows(const u8 *__restrict__ w0,
     return __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));
 }
 
+// The legacy formats' and Q4_K's kernels: a policy P gives the bytes of a weight row, the
+// per-warp shared memory and P::rows<R> (R rows of one warp against token blockIdx.y's
+// activations: `aq` codes, `sc` scales); with glu a warp takes gate and up row wi together,
+// else the one row of mmve_row.
+template <bool MIN>
+struct LegacySmem {
+    float sh[MMVE_CH][9];
+    float2 shm[MIN ? MMVE_CH : 1];
+};
+
+template <class F, bool MIN>
+struct MmveLegacy {
+    typedef LegacySmem<MIN> Smem;
+    static __device__ __forceinline__ size_t row_bytes(int n_cols) {
+        return (size_t)(n_cols >> 5) * F::BYTES;
+    }
+    template <int R>
+    static __device__ __forceinline__ float rows(const u8 *w0, const u8 *w1, const i8 *aq,
+                                                 const void *sc, int n_cols, int, Smem &m) {
+        const size_t t = blockIdx.y;
+        const int nb = n_cols >> 5;
+        return mmve_legacy_rows<F, MIN, R>(w0, w1, aq + t * n_cols, (const float2 *)sc + t * nb,
+                                           nb, m.sh, m.shm);
+    }
+};
+
+struct Q4kSmem {
+    int sh[MMVE_CH][2];
+};
+
+struct MmveQ4K {
+    typedef Q4kSmem Smem;
+    static __device__ __forceinline__ size_t row_bytes(int n_cols) {
+        return (size_t)(n_cols >> 8) * 144;
+    }
+    // (mode: the tokens below it take the gemm steps)
+    template <int R>
+    static __device__ __forceinline__ float rows(const u8 *w0, const u8 *w1, const i8 *aq,
+                                                 const void *sc, int n_cols, int mode, Smem &m) {
+        const size_t t = blockIdx.y;
+        return mmve_q4k_rows<R>(w0, w1, aq + t * n_cols, (const float *)sc + t * (n_cols >> 8),
+                                n_cols >> 5, (int)t < mode, m.sh);
+    }
+};
+
+template <class P>
+__device__ __forceinline__ void mmve_kernel(const MmvJob &j, const i8 *__restrict__ aq,
+                                            const void *__restrict__ sc, int n_cols, int mode) {
+    __shared__ typename P::Smem smem[MMVE_WARPS];
+    typename P::Smem &m = smem[threadIdx.x >> 5];
+    const size_t rb = P::row_bytes(n_cols);
+    if (j.glu) {
+        // (a warp per row: no block barrier)
+        const int wi = blockIdx.x * MMVE_WARPS + (threadIdx.x >> 5);
+        if (wi >= j.rows[0]) return;
+        const float v = P::template rows<2>(j.w[0] + (size_t)wi * rb, j.w[1] + (size_t)wi * rb,
+                                            aq, sc, n_cols, mode, m);
+        mmve_glu_store(j, wi, v);
+        return;
+    }
+    int mi, wi;
+    const bool has = mmve_row(j, mi, wi);
+    float v = 0.0f;
+    if (has) {
+        const u8 *wr = job_w(j, mi) + (size_t)wi * rb;
+        v = P::template rows<1>(wr, wr, aq, sc, n_cols, mode, m);
+    }
+    mmve_store(j, mi, wi, has, v);
+}
+
 #define MMVE_LEGACY(NAME, F, MIN)                                                             \
     extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)                            \
         mmve_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int mode) {       \
         PDL_ENTRY_AFTER(mmvq1_prefetch<F>(j, n_cols, 1));                                    \
-        mmve_legacy<F, MIN>(j, aq, ads, n_cols);                                             \
+        mmve_kernel<MmveLegacy<F, MIN>>(j, aq, ads, n_cols, mode);                           \
     }
 
 MMVE_LEGACY(q4_0, FQ4_0, false)
@@ -382,28 +423,7 @@ extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
     mmve_q4_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
     PDL_ENTRY_AFTER(mmvq1_prefetch<FQ4_K>(j, n_cols, 1));
-    __shared__ int sh[MMVE_WARPS][MMVE_CH][2];
-    const size_t t = blockIdx.y;
-    const int nsb = n_cols >> 8;
-    if (j.glu) {
-        // (a warp per row: no block barrier)
-        const int wi = blockIdx.x * MMVE_WARPS + (threadIdx.x >> 5);
-        if (wi >= j.rows[0]) return;
-        const size_t o = (size_t)wi * nsb * 144;
-        const float v = mmve_q4k_rows<2>(j.w[0] + o, j.w[1] + o, aq + t * n_cols, dq + t * nsb,
-                                         n_cols >> 5, (int)t < mode, sh[threadIdx.x >> 5]);
-        mmve_glu_store(j, wi, v);
-        return;
-    }
-    int m, wi;
-    const bool has = mmve_row(j, m, wi);
-    float v = 0.0f;
-    if (has) {
-        const u8 *wr = job_w(j, m) + (size_t)wi * nsb * 144;
-        v = mmve_q4k_rows<1>(wr, wr, aq + t * n_cols, dq + t * nsb, n_cols >> 5, (int)t < mode,
-                             sh[threadIdx.x >> 5]);
-    }
-    mmve_store(j, m, wi, has, v);
+    mmve_kernel<MmveQ4K>(j, aq, dq, n_cols, mode);
 }
 
 // ggml's quantize_row_q8_K_ref: per 256 values, max = the first value of largest magnitude,

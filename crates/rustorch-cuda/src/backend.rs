@@ -751,7 +751,6 @@ impl<'a> Cuda<'a> {
             n == 1
                 && self.hook.is_none()
                 && !crate::kernels::arith().mega
-                && (!crate::kernels::arith().attn_cpu || dev.exact())
                 && a.head_dim == spec.head_dim
                 && a.rope.n_rot <= a.head_dim
                 && a.rope.n_rot.is_multiple_of(2)

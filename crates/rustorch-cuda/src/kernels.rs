@@ -39,9 +39,9 @@ const GLUQ_THREADS: u32 = 512;
 /// activations are quantized as ggml-cpu does (`127 / max` inverse scale, ties to even,
 /// block scales rounded to f16, so legacy-format products equal the CPU's up to f32
 /// summation order); `RUSTORCH_CUDA_Q8=f32` keeps f32 block scales instead.
-/// `RUSTORCH_CUDA_ATTN=cpu` runs attention as the CPU's flash attention (one warp walks a
-/// head's cells in order, scores summed in the CPU's order, the value accumulator rounded
-/// to f16 after every update) instead of the split f32 kernel: slower, for comparisons.
+/// `RUSTORCH_CUDA_ATTN=cpu` runs attention as the CPU's flash attention (`attn_exact`: scores
+/// summed in the CPU's order, the value accumulators rounded to f16 after every cell in cell
+/// order) instead of the split f32 kernel: slower, for comparisons.
 /// `RUSTORCH_CUDA_DECODE=tiled` runs one-token products with the multi-token kernels
 /// (several threads per row, shared-memory sums) instead of a warp per row: for comparisons.
 /// `RUSTORCH_CUDA_EXACT=1` computes as the CPU backend does, bit for bit where the formats
@@ -175,7 +175,6 @@ pub fn kernel_names() -> Vec<String> {
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
         v.push(format!("attn_rope_{e}"));
-        v.push(format!("attn_cpu_{e}"));
     }
     v
 }
@@ -731,23 +730,6 @@ impl CudaDevice {
         Ok((eq, eds))
     }
 
-    /// `gate = silu(x·Wg) ⊙ x·Wu` with the CPU's arithmetic ([`CudaDevice::set_exact`]), where both
-    /// matrices have an exact product.
-    fn glu_exact(
-        &self,
-        wg: &CudaMatrix,
-        wu: &CudaMatrix,
-        x: &GpuVec<f32>,
-        gate: &mut GpuVec<f32>,
-        s: &mut Scratch,
-    ) -> Option<Result<()>> {
-        if !exact_ok(wg) || !exact_ok(wu) {
-            return None;
-        }
-        let n_tok = x.len() / wg.n_cols;
-        Some(self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s))
-    }
-
     /// Makes room in `s` for the 8-bit quantization of an attention output `out` (`len`
     /// values in rows of `width`; heads of `hd` values, a multiple of 32, else none) and
     /// records it as the activations of the product that follows. Returns the kernels'
@@ -1035,11 +1017,9 @@ impl CudaDevice {
             ));
         }
         if self.exact() {
-            return if gelu {
-                None
-            } else {
-                self.glu_exact(wg, wu, x, gate, s)
-            };
+            // SiLU with both matrices' exact products (GELU: the default steps)
+            return (!gelu && exact_ok(wg) && exact_ok(wu))
+                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
@@ -1511,7 +1491,7 @@ impl CudaDevice {
         s: &mut Scratch,
     ) -> Result<()> {
         let (nh, hd) = (shape.n_head, shape.head_dim);
-        if rope.is_some() && (n != 1 || split.is_none() && arith().attn_cpu && !self.exact()) {
+        if rope.is_some() && n != 1 {
             return Err(CudaError::Unsupported(
                 "attention with the rotation inside: one row, split kernel".into(),
             ));
@@ -1531,10 +1511,9 @@ impl CudaDevice {
             return Ok(());
         }
         if split.is_none() && (arith().attn_cpu || self.exact()) {
-            // the CPU's arithmetic: exact mode's kernel (which also quantizes its output for
-            // the product that follows), or one warp walking each head's cells
-            let exact = self.exact();
-            let quant = if exact {
+            // the CPU's arithmetic (attn_exact), its output quantized for the product that
+            // follows where the products take the CPU's activation rule
+            let quant = if self.exact() || arith().q8_cpu {
                 self.quantized_out(s, out, n * nh * hd, nh * hd, hd)?
             } else {
                 s.acts_of = None;
@@ -1556,17 +1535,15 @@ impl CudaDevice {
             let (cap, win) = (shape.softcap, shape.window);
             let inline = i32::from(rope.is_some());
             let ar = rope.copied().unwrap_or_default();
-            let args: [&dyn KernelArg; 13] = [
-                &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
-                &native,
-            ];
-            let grid = (nh as u32, n as u32, 1);
-            if !exact {
-                return self.launch(&format!("attn_cpu_{e}"), grid, 32, &args);
-            }
-            let mut all: Vec<&dyn KernelArg> = args.to_vec();
-            all.extend_from_slice(&[&aq, &ads, &quant, &inline, &ar]);
-            return self.launch("attn_exact", grid, 288, &all);
+            return self.launch(
+                "attn_exact",
+                (nh as u32, n as u32, 1),
+                288,
+                &[
+                    &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
+                    &native, &aq, &ads, &quant, &inline, &ar,
+                ],
+            );
         }
         let n_split = match split {
             Some(k) => k.max(1),

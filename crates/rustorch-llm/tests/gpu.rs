@@ -153,6 +153,14 @@ fn check(name: &str, r: &Report) {
     assert!(r.top1 >= 0.98, "{name}: top-1 agreement {}", r.top1);
 }
 
+/// The fixture prompts' text in `tok`'s tokens.
+fn encode_prompts(tok: &Tokenizer, prompts: &[(String, Vec<u32>)]) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
+        .collect()
+}
+
 /// SmolLM2 and the GGUFs named in `RUSTORCH_GPU_MODELS` (comma-separated).
 fn gpu_models() -> Vec<std::path::PathBuf> {
     let mut models = vec![root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")];
@@ -203,10 +211,7 @@ fn megakernel_equals_graphs() {
         let Some((_, gpu, tok)) = open(&path) else {
             continue;
         };
-        let toks: Vec<Vec<u32>> = prompts[..4]
-            .iter()
-            .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
-            .collect();
+        let toks = encode_prompts(&tok, &prompts[..4]);
         let before = gpu.cuda_graph_stats().expect("stats");
         let mega = decode_logits(&gpu, &toks, 24);
         let mid = gpu.cuda_graph_stats().expect("stats");
@@ -320,10 +325,7 @@ fn early_launch_equals_checked_replay() {
         let Some((_, gpu, tok)) = open(&path) else {
             continue;
         };
-        let toks: Vec<Vec<u32>> = prompts[..4]
-            .iter()
-            .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
-            .collect();
+        let toks = encode_prompts(&tok, &prompts[..4]);
         gpu.set_cuda_early_launch(false);
         let checked = decode_logits(&gpu, &toks, 24);
         let before = gpu.cuda_graph_stats().expect("stats");
@@ -354,10 +356,7 @@ fn each_model(mut f: impl FnMut(&str, &std::path::Path, &Model, &Model, &[Vec<u3
             let toks: Vec<Vec<u32>> = if i == 0 {
                 prompts.iter().map(|p| p.1.clone()).collect()
             } else {
-                prompts
-                    .iter()
-                    .map(|p| tok.encode(&p.0, true, true).expect("tokenize"))
-                    .collect()
+                encode_prompts(&tok, &prompts)
             };
             let name = if i == 0 {
                 "SmolLM2-135M Q4_1".to_string()
