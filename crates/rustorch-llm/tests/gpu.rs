@@ -274,6 +274,33 @@ fn alternate_logits(gpu: &Model, a: &[u32], b: &[u32], steps: usize) -> Vec<Vec<
     out
 }
 
+/// What [`early_off_then_on`] saw.
+struct EarlyRun {
+    /// Early launches during the run with them switched off.
+    early_while_off: u64,
+    /// Early launches, and early launches not confirmed, during the run with them on.
+    hits: u64,
+    misses: u64,
+    /// Steps whose logits differ between the two runs.
+    differing: usize,
+}
+
+/// `run` (decode steps returning each step's logits) with early launches off, then on.
+fn early_off_then_on(gpu: &Model, run: impl Fn() -> Vec<Vec<f32>>) -> EarlyRun {
+    gpu.set_cuda_early_launch(false);
+    let checked = run();
+    let before = gpu.cuda_graph_stats().expect("stats");
+    gpu.set_cuda_early_launch(true);
+    let early = run();
+    let after = gpu.cuda_graph_stats().expect("stats");
+    EarlyRun {
+        early_while_off: before.early,
+        hits: after.early - before.early,
+        misses: after.early_missed - before.early_missed,
+        differing: differing_steps(&early, &checked),
+    }
+}
+
 /// Steps of two sequences on two caches in turn (as two sessions on one model do): a
 /// graph holds its cache's addresses, so a step must never launch the other cache's graph
 /// early (it would write its new cells into the other cache). Same logits as with early
@@ -295,20 +322,18 @@ fn early_launch_two_caches() {
             .map(enc)
             .find(|b| b.len() != a.len())
             .expect("two prompts of different lengths");
-        gpu.set_cuda_early_launch(false);
-        let checked = alternate_logits(&gpu, &a, &b, 16);
-        gpu.set_cuda_early_launch(true);
-        let before = gpu.cuda_graph_stats().expect("stats");
-        let early = alternate_logits(&gpu, &a, &b, 16);
-        let after = gpu.cuda_graph_stats().expect("stats");
+        let r = early_off_then_on(&gpu, || alternate_logits(&gpu, &a, &b, 16));
         eprintln!(
             "{}: two caches in turn, 32 steps: {} launched early, {} not confirmed",
             path.display(),
-            after.early - before.early,
-            after.early_missed - before.early_missed
+            r.hits,
+            r.misses
         );
-        let bad = differing_steps(&early, &checked);
-        assert_eq!(bad, 0, "{bad} steps' logits differ with early launches");
+        assert_eq!(
+            r.differing, 0,
+            "{} steps' logits differ with early launches",
+            r.differing
+        );
     }
 }
 
@@ -326,24 +351,20 @@ fn early_launch_equals_checked_replay() {
             continue;
         };
         let toks = encode_prompts(&tok, &prompts[..4]);
-        gpu.set_cuda_early_launch(false);
-        let checked = decode_logits(&gpu, &toks, 24);
-        let before = gpu.cuda_graph_stats().expect("stats");
-        gpu.set_cuda_early_launch(true);
-        let early = decode_logits(&gpu, &toks, 24);
-        let after = gpu.cuda_graph_stats().expect("stats");
-        let (hits, misses) = (
-            after.early - before.early,
-            after.early_missed - before.early_missed,
-        );
+        let r = early_off_then_on(&gpu, || decode_logits(&gpu, &toks, 24));
         eprintln!(
-            "{}: {hits} of 96 steps launched early, {misses} early launches not confirmed",
-            path.display()
+            "{}: {} of 96 steps launched early, {} early launches not confirmed",
+            path.display(),
+            r.hits,
+            r.misses
         );
-        assert_eq!(before.early, 0, "early launches while switched off");
-        assert!(hits >= 60, "only {hits} of 96 steps launched early");
-        let bad = differing_steps(&early, &checked);
-        assert_eq!(bad, 0, "{bad} steps' logits differ with early launches");
+        assert_eq!(r.early_while_off, 0, "early launches while switched off");
+        assert!(r.hits >= 60, "only {} of 96 steps launched early", r.hits);
+        assert_eq!(
+            r.differing, 0,
+            "{} steps' logits differ with early launches",
+            r.differing
+        );
     }
 }
 
