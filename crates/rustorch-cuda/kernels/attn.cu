@@ -404,11 +404,16 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 //      expf); masked cells ms = 1, vs = 0 (skipped).
 //   3. the chains that must stay sequential: each dimension's f16 accumulator (one thread per
 //      dimension, cells in order) and the running sum S = fma(S, ms, vs) (the last warp).
+//      A dimension's step is acc = f16(f16(acc * ms) + v * vs) with one fused multiply-add,
+//      the scaling done on every cell: with ms = 1 it gives acc back to the bit (acc is an
+//      f16 value), so the CPU's "only on a new maximum" needs no branch.
 // Then out = acc * (1 / S), quantized for the next product with `quant` (as quantize_q8_1,
 // the CPU's rule). Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope`
 // (one row): rope_kv_write's work inside, as attn_rope does (q and the new k rotated here,
 // the new cell's key and value taken from shared memory, stored by each KV head's first
-// query head).
+// query head). The first chunk's slots and positions load with the rotation's inputs, and
+// each dimension's values of the first AE_V cells before the scores are summed, so the
+// block waits on memory three times, not five.
 
 #define AE_THREADS 288
 #define AE_CELLS 1024
@@ -428,8 +433,8 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     PDL_ENTRY();
     __shared__ float qs[256];
     __shared__ float knew[256], vnew[256];
-    __shared__ float msh[AE_CELLS];
-    __shared__ float vsh[AE_CELLS];
+    __shared__ float ssh[AE_CELLS];           // scores
+    __shared__ float2 mv[AE_CELLS + AE_V];    // (ms, vs) per cell (+ room for reads past n)
     __shared__ u32 slot[AE_CELLS];
     __shared__ u32 spos[AE_CELLS];
     __shared__ float wmax[AE_THREADS / 32];
@@ -445,6 +450,14 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     const int np = hd & ~63, nb = np / 64, npn = native ? (hd & ~127) : 0;
     const float *qh = q + ((size_t)t * n_head + h) * hd;
     const u32 jnew = rope ? ar.new_slot[0] : 0xffffffffu;
+    // the chunk's slots and positions, loaded together
+    auto load_cells = [&](int c0, int n) {
+        for (int ci = tid; ci < n; ci += AE_THREADS) {
+            slot[ci] = SL ? SL[c0 + ci] : (u32)(c0 + ci);
+            spos[ci] = P[c0 + ci];
+        }
+    };
+    load_cells(0, min(AE_CELLS, nc));
     if (rope) {
         const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
         const int half = ar.n_rot / 2;
@@ -476,14 +489,24 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     float M = NEG_INF;    // the maximum over earlier chunks
     float S = 0.0f;       // (the last warp's lane 0)
     const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
+    const bool fast = tid < hd && tid >= npn;  // a dimension rounded from f32 each step
+    const u16 *vcol = Vh + tid;
+    // this dimension's values of cells cb .. cb + AE_V - 1 (of n), loaded before any is used
+    float vv[AE_V];
+    auto load_values = [&](int cb, int n) {
+#pragma unroll
+        for (int k = 0; k < AE_V; k++) {
+            const u32 sl = slot[min(cb + k, n - 1)];
+            vv[k] = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
+        }
+    };
     for (int c0 = 0; c0 < nc; c0 += AE_CELLS) {
         const int n = min(AE_CELLS, nc - c0);
-        // 0. the chunk's slots and positions, loaded together
-        for (int ci = tid; ci < n; ci += AE_THREADS) {
-            slot[ci] = SL ? SL[c0 + ci] : (u32)(c0 + ci);
-            spos[ci] = P[c0 + ci];
+        if (c0 > 0) {
+            load_cells(c0, n);
+            __syncthreads();
         }
-        __syncthreads();
+        if (fast) load_values(0, n);
         // 1. scores (each half-warp loads the keys of AE_U cells before it sums any)
         const int hw = tid >> 4, hl = tid & 15;
         for (int cb = 0; cb < n; cb += (AE_THREADS / 16) * AE_U) {
@@ -545,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
                         s = __fmul_rn((float)sum, scale);
                         if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
                     }
-                    msh[ci] = s;
+                    ssh[ci] = s;
                 }
             }
         }
@@ -554,7 +577,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         const int per = (n + AE_THREADS - 1) / AE_THREADS;
         const int e0 = min(n, tid * per), e1 = min(n, e0 + per);
         float lm = NEG_INF;
-        for (int c = e0; c < e1; c++) lm = fmaxf(lm, msh[c]);
+        for (int c = e0; c < e1; c++) lm = fmaxf(lm, ssh[c]);
         float incl = lm;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -568,7 +591,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         for (int w = 0; w < warp; w++) run = fmaxf(run, wmax[w]);
         if (lane > 0) run = fmaxf(run, excl);
         for (int c = e0; c < e1; c++) {
-            const float s = msh[c];
+            const float s = ssh[c];
             float ms = 1.0f, vs = 0.0f;
             if (s != NEG_INF) {
                 if (s > run) {
@@ -579,45 +602,36 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
                     vs = expf_glibc(s - run);
                 }
             }
-            msh[c] = ms;
-            vsh[c] = vs;
+            mv[c] = make_float2(ms, vs);
         }
 #pragma unroll 1
         for (int w = 0; w < AE_THREADS / 32; w++) M = fmaxf(M, wmax[w]);
         __syncthreads();
         // 3. the sequential chains
-        if (tid < hd) {
-            const u16 *vcol = Vh + tid;
+        if (fast) {
             for (int cb = 0; cb < n; cb += AE_V) {
-                // (this dimension's values of the next AE_V cells, loaded before any is used)
-                float vv[AE_V];
+                if (cb > 0) load_values(cb, n);
 #pragma unroll
                 for (int k = 0; k < AE_V; k++) {
-                    const int c = min(cb + k, n - 1);
-                    const u32 sl = slot[c];
-                    vv[k] = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
-                }
-#pragma unroll
-                for (int k = 0; k < AE_V; k++) {
-                    const int c = cb + k;
-                    if (c < n) {
-                        const float vs = vsh[c];
-                        if (vs != 0.0f) {
-                            const float ms = msh[c], vf = vv[k];
-                            if (ms != 1.0f) {
-                                const double ms16 = (double)h2f(f2h(ms));
-                                acc = tid < npn ? h2f(f64_to_f16((double)acc * ms16))
-                                                : h2f(f2h(__fmul_rn(acc, ms)));
-                            }
-                            const double vs16 = (double)h2f(f2h(vs));
-                            acc = tid < npn ? h2f(f64_to_f16(fma((double)vf, vs16, (double)acc)))
-                                            : h2f(f2h(__fmaf_rn(vf, vs, acc)));
-                        }
+                    const float2 w = mv[cb + k];
+                    if (cb + k < n && w.y != 0.0f) {
+                        const float sc = h2f(f2h(__fmul_rn(acc, w.x)));
+                        acc = h2f(f2h(__fmaf_rn(vv[k], w.y, sc)));
                     }
                 }
             }
+        } else if (tid < npn) {
+            // (AVX512-FP16 hosts: rounded once from the exact value, the weights in f16)
+            for (int c = 0; c < n; c++) {
+                const float2 w = mv[c];
+                if (w.y == 0.0f) continue;
+                const u32 sl = slot[c];
+                const float vf = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
+                if (w.x != 1.0f) acc = h2f(f64_to_f16((double)acc * (double)h2f(f2h(w.x))));
+                acc = h2f(f64_to_f16(fma((double)vf, (double)h2f(f2h(w.y)), (double)acc)));
+            }
         } else if (tid == AE_THREADS - 32) {
-            for (int c = 0; c < n; c++) S = __fmaf_rn(S, msh[c], vsh[c]);
+            for (int c = 0; c < n; c++) S = __fmaf_rn(S, mv[c].x, mv[c].y);
         }
         __syncthreads();
     }

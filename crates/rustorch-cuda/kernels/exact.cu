@@ -86,15 +86,16 @@ __device__ __forceinline__ float swiglu_cpu(float g, float u, int i, int n) {
 // ---------------------------------------------------------------------------------------
 // Products. One warp per output row (up to three matrices per launch, an MmvJob; with glu, two
 // warps per row: gate and up, then silu(gate) * up), grid (ceil(rows / 4), n_tok). Each pass
-// the 32 threads decode MMVE_CH consecutive groups of 32 weights (all loads issued together)
+// the 32 threads decode 32 * G consecutive groups of 32 weights (all loads issued together)
 // into integer lane sums in shared memory; then threads 0..7 (one per lane) run the
 // accumulator chains in block order.
 
 #define MMVE_WARPS 4
-#ifndef MMVE_G
-#define MMVE_G 4
-#endif
-#define MMVE_CH (32 * MMVE_G)
+// groups per lane and pass: G_SHORT, or G_LONG for rows that one pass of G_SHORT does not
+// cover (the `_l` kernels, e.g. a down product's 5632 columns: one pass instead of two, so
+// the warp waits on memory once)
+#define MMVE_G_SHORT 4
+#define MMVE_G_LONG 6
 
 // ggml's hsum_float_8 of the accumulators held by lanes 0..7: lane 0 gets
 // ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
@@ -143,20 +144,20 @@ __device__ __forceinline__ void mmve_glu_store(const MmvJob &j, int wi, float v)
 // Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
 // rule (ads: per block d and s, each rounded to f16), R (1 or 2) rows of one warp against
 // the same activations (gate and up: both rows' loads in flight together). Each pass
-// decodes MMVE_CH / R groups of each row; lanes 8r .. 8r + 7 walk row r's lane chains and
+// decodes 32 * G / R groups of each row; lanes 8r .. 8r + 7 walk row r's lane chains and
 // lane 16 + 8r its minimum term. Lane 8r returns row r's dot product.
-template <class F, bool MIN, int R>
+template <class F, bool MIN, int R, int G>
 __device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
                                                   const u8 *__restrict__ w1,
                                                   const i8 *__restrict__ a,
                                                   const float2 *__restrict__ ad, int nb,
                                                   float (*sh)[9], float2 *shm) {
     const int lane = threadIdx.x & 31;
-    const int H = MMVE_CH / R;
+    const int H = 32 * G / R;
     float acc = 0.0f, summs = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += H) {
 #pragma unroll
-        for (int i = 0; i < MMVE_G; i++) {
+        for (int i = 0; i < G; i++) {
             const int sl = 32 * i + lane, r = sl / H, b = b0 + sl - r * H;
             if (b < nb) {
                 Group g;
@@ -198,14 +199,15 @@ __device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
 // with d_a * d_w, then hsum_float_8. With `tiled` (batches of 8+ rows, the CPU's q6k_tiled):
 // one accumulator, acc = fma(f32(s1) * d_w, d_a, acc) per super-block, s1 the super-block's
 // whole integer sum.
+template <int G>
 __device__ __forceinline__ float mmve_q6k_row(const u8 *__restrict__ wr, const i8 *__restrict__ a,
                                               const float *__restrict__ d, int ng, int tiled,
                                               int (*sh)[8]) {
     const int lane = threadIdx.x & 31;
     float acc = 0.0f;
-    for (int g0 = 0; g0 < ng; g0 += MMVE_CH) {
+    for (int g0 = 0; g0 < ng; g0 += 32 * G) {
 #pragma unroll
-        for (int i = 0; i < MMVE_G; i++) {
+        for (int i = 0; i < G; i++) {
             const int gl = 32 * i + lane, gi = g0 + gl;
             if (gi < ng) {
                 const u8 *blk = wr + (size_t)(gi >> 3) * 210;
@@ -227,7 +229,7 @@ __device__ __forceinline__ float mmve_q6k_row(const u8 *__restrict__ wr, const i
             }
         }
         __syncwarp();
-        const int n = min(MMVE_CH, ng - g0);
+        const int n = min(32 * G, ng - g0);
         if (tiled) {
             if (lane == 0) {
                 for (int j = 0; j < n; j += 8) {
@@ -261,18 +263,18 @@ __device__ __forceinline__ float mmve_q6k_row(const u8 *__restrict__ wr, const i
 // result acc - accm. With `gemm` (the CPU's gemm rows) the fused steps go per pair of
 // sub-blocks instead of per super-block. R (1 or 2) rows per warp as mmve_legacy_rows:
 // lanes 8r and 8r + 1 walk row r's two chains; lane 8r returns row r's value.
-template <int R>
+template <int R, int G>
 __device__ __forceinline__ float mmve_q4k_rows(const u8 *__restrict__ w0,
                                                const u8 *__restrict__ w1,
                                                const i8 *__restrict__ a,
                                                const float *__restrict__ d, int ng, bool gemm,
                                                int (*sh)[2]) {
     const int lane = threadIdx.x & 31;
-    const int H = MMVE_CH / R;
+    const int H = 32 * G / R;
     float acc = 0.0f;
     for (int g0 = 0; g0 < ng; g0 += H) {
 #pragma unroll
-        for (int i = 0; i < MMVE_G; i++) {
+        for (int i = 0; i < G; i++) {
             const int sl = 32 * i + lane, r = sl / H, gi = g0 + sl - r * H;
             if (gi < ng) {
                 const u8 *blk = (r ? w1 : w0) + (size_t)(gi >> 3) * 144;
@@ -325,15 +327,15 @@ __device__ __forceinline__ float mmve_q4k_rows(const u8 *__restrict__ w0,
 // per-warp shared memory and P::rows<R> (R rows of one warp against token blockIdx.y's
 // activations: `aq` codes, `sc` scales); with glu a warp takes gate and up row wi together,
 // else the one row of mmve_row.
-template <bool MIN>
+template <bool MIN, int G>
 struct LegacySmem {
-    float sh[MMVE_CH][9];
-    float2 shm[MIN ? MMVE_CH : 1];
+    float sh[32 * G][9];
+    float2 shm[MIN ? 32 * G : 1];
 };
 
-template <class F, bool MIN>
+template <class F, bool MIN, int G>
 struct MmveLegacy {
-    typedef LegacySmem<MIN> Smem;
+    typedef LegacySmem<MIN, G> Smem;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 5) * F::BYTES;
     }
@@ -342,17 +344,19 @@ struct MmveLegacy {
                                                  const void *sc, int n_cols, int, Smem &m) {
         const size_t t = blockIdx.y;
         const int nb = n_cols >> 5;
-        return mmve_legacy_rows<F, MIN, R>(w0, w1, aq + t * n_cols, (const float2 *)sc + t * nb,
+        return mmve_legacy_rows<F, MIN, R, G>(w0, w1, aq + t * n_cols, (const float2 *)sc + t * nb,
                                            nb, m.sh, m.shm);
     }
 };
 
+template <int G>
 struct Q4kSmem {
-    int sh[MMVE_CH][2];
+    int sh[32 * G][2];
 };
 
+template <int G>
 struct MmveQ4K {
-    typedef Q4kSmem Smem;
+    typedef Q4kSmem<G> Smem;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 8) * 144;
     }
@@ -361,7 +365,7 @@ struct MmveQ4K {
     static __device__ __forceinline__ float rows(const u8 *w0, const u8 *w1, const i8 *aq,
                                                  const void *sc, int n_cols, int mode, Smem &m) {
         const size_t t = blockIdx.y;
-        return mmve_q4k_rows<R>(w0, w1, aq + t * n_cols, (const float *)sc + t * (n_cols >> 8),
+        return mmve_q4k_rows<R, G>(w0, w1, aq + t * n_cols, (const float *)sc + t * (n_cols >> 8),
                                 n_cols >> 5, (int)t < mode, m.sh);
     }
 };
@@ -391,12 +395,15 @@ __device__ __forceinline__ void mmve_kernel(const MmvJob &j, const i8 *__restric
     mmve_store(j, mi, wi, has, v);
 }
 
-#define MMVE_LEGACY(NAME, F, MIN)                                                             \
+#define MMVE_LEGACY_G(NAME, F, MIN, G)                                                        \
     extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)                            \
         mmve_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int mode) {       \
         PDL_ENTRY_AFTER(mmvq1_prefetch<F>(j, n_cols, 1));                                    \
-        mmve_kernel<MmveLegacy<F, MIN>>(j, aq, ads, n_cols, mode);                           \
+        mmve_kernel<MmveLegacy<F, MIN, G>>(j, aq, ads, n_cols, mode);                        \
     }
+#define MMVE_LEGACY(NAME, F, MIN)                  \
+    MMVE_LEGACY_G(NAME, F, MIN, MMVE_G_SHORT)      \
+    MMVE_LEGACY_G(NAME##_l, F, MIN, MMVE_G_LONG)
 
 MMVE_LEGACY(q4_0, FQ4_0, false)
 MMVE_LEGACY(q4_1, FQ4_1, true)
@@ -405,45 +412,43 @@ MMVE_LEGACY(q5_1, FQ5_1, true)
 MMVE_LEGACY(q8_0, FQ8_0, false)
 
 // (mode: Q6_K, tiled or not; Q4_K, the tokens below it take the gemm steps)
-extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
-    mmve_q6_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
-    PDL_ENTRY_AFTER(mmvq1_prefetch<FQ6_K>(j, n_cols, 1));
-    __shared__ int sh[MMVE_WARPS][MMVE_CH][8];
+template <int G>
+__device__ __forceinline__ void mmve_q6k_kernel(const MmvJob &j, const i8 *aq, const float *dq,
+                                                int n_cols, int mode) {
+    __shared__ int sh[MMVE_WARPS][32 * G][8];
     const size_t t = blockIdx.y;
     const int nsb = n_cols >> 8;
     int m, wi;
     const bool has = mmve_row(j, m, wi);
     float v = 0.0f;
     if (has)
-        v = mmve_q6k_row(job_w(j, m) + (size_t)wi * nsb * 210, aq + t * n_cols, dq + t * nsb,
-                         n_cols >> 5, mode, sh[threadIdx.x >> 5]);
+        v = mmve_q6k_row<G>(job_w(j, m) + (size_t)wi * nsb * 210, aq + t * n_cols, dq + t * nsb,
+                            n_cols >> 5, mode, sh[threadIdx.x >> 5]);
     mmve_store(j, m, wi, has, v);
 }
 
-extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)
-    mmve_q4_k(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {
-    PDL_ENTRY_AFTER(mmvq1_prefetch<FQ4_K>(j, n_cols, 1));
-    mmve_kernel<MmveQ4K>(j, aq, dq, n_cols, mode);
-}
+#define MMVE_K(NAME, BODY, F)                                                                \
+    extern "C" __global__ void __launch_bounds__(MMVE_WARPS * 32)                            \
+        NAME(MmvJob j, const i8 *aq, const float *dq, int n_cols, int mode) {                \
+        PDL_ENTRY_AFTER(mmvq1_prefetch<F>(j, n_cols, 1));                                    \
+        BODY;                                                                                \
+    }
+MMVE_K(mmve_q6_k, (mmve_q6k_kernel<MMVE_G_SHORT>(j, aq, dq, n_cols, mode)), FQ6_K)
+MMVE_K(mmve_q6_k_l, (mmve_q6k_kernel<MMVE_G_LONG>(j, aq, dq, n_cols, mode)), FQ6_K)
+MMVE_K(mmve_q4_k, (mmve_kernel<MmveQ4K<MMVE_G_SHORT>>(j, aq, dq, n_cols, mode)), FQ4_K)
+MMVE_K(mmve_q4_k_l, (mmve_kernel<MmveQ4K<MMVE_G_LONG>>(j, aq, dq, n_cols, mode)), FQ4_K)
 
-// ggml's quantize_row_q8_K_ref: per 256 values, max = the first value of largest magnitude,
-// iscale = -127 / max, q = min(127, round_half_even(iscale * x)), d = 1 / iscale. Tokens
-// below n_4x8 take ggml_quantize_mat_q8_K_4x8's rule instead (the CPU's Q4_K gemm rows):
-// iscale = -127 / amax if some value equals +amax, else 127 / amax. One warp per block of
-// 256, grid (blocks / 4, n_tok), 128 threads.
-extern "C" __global__ void quantize_q8_k(const float *__restrict__ x, i8 *__restrict__ aq,
-                                         float *__restrict__ dq, int n_cols, int n_4x8) {
-    PDL_ENTRY();
-    const int nsb = n_cols >> 8;
-    const int sb = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31, t = blockIdx.y;
-    if (sb >= nsb) return;
-    const size_t base = (size_t)t * n_cols + (size_t)sb * 256;
+// ggml's quantize_row_q8_K_ref, by one warp for the 256 values at x: max = the first value
+// of largest magnitude, iscale = -127 / max, q = min(127, round_half_even(iscale * x)),
+// d = 1 / iscale. With `four`, ggml_quantize_mat_q8_K_4x8's rule instead (the CPU's Q4_K
+// gemm rows): iscale = -127 / amax if some value equals +amax, else 127 / amax.
+__device__ __forceinline__ void q8k_warp(const float *x, i8 *q, float *d, bool four) {
+    const int lane = threadIdx.x & 31;
     float v[8];
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        v[k] = x[base + 32 * k + lane];
+        v[k] = x[32 * k + lane];
         amax = fmaxf(amax, fabsf(v[k]));
     }
     amax = warp_max(amax);
@@ -455,25 +460,37 @@ extern "C" __global__ void quantize_q8_k(const float *__restrict__ x, i8 *__rest
     for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(FULL_MASK, first, o));
     if (amax == 0.0f) {
 #pragma unroll
-        for (int k = 0; k < 8; k++) aq[base + 32 * k + lane] = 0;
-        if (lane == 0) dq[(size_t)t * nsb + sb] = 0.0f;
+        for (int k = 0; k < 8; k++) q[32 * k + lane] = 0;
+        if (lane == 0) *d = 0.0f;
         return;
     }
     float iscale;
-    if (t < n_4x8) {
+    if (four) {
         bool pos = false;
 #pragma unroll
         for (int k = 0; k < 8; k++) pos = pos || v[k] == amax;
         pos = __any_sync(FULL_MASK, pos);
         iscale = pos ? __fdiv_rn(-127.0f, amax) : __fdiv_rn(127.0f, amax);
     } else {
-        iscale = __fdiv_rn(-127.0f, x[base + first]);
+        iscale = __fdiv_rn(-127.0f, x[first]);
     }
 #pragma unroll
     for (int k = 0; k < 8; k++)
-        aq[base + 32 * k + lane] =
-            (i8)max(-128, min(127, __float2int_rn(__fmul_rn(iscale, v[k]))));
-    if (lane == 0) dq[(size_t)t * nsb + sb] = __fdiv_rn(1.0f, iscale);
+        q[32 * k + lane] = (i8)max(-128, min(127, __float2int_rn(__fmul_rn(iscale, v[k]))));
+    if (lane == 0) *d = __fdiv_rn(1.0f, iscale);
+}
+
+// Q8_K activations (q8k_warp; tokens below n_4x8 take the 4x8 rule): one warp per block of
+// 256, grid (blocks / 4, n_tok), 128 threads.
+extern "C" __global__ void quantize_q8_k(const float *__restrict__ x, i8 *__restrict__ aq,
+                                         float *__restrict__ dq, int n_cols, int n_4x8) {
+    PDL_ENTRY();
+    const int nsb = n_cols >> 8;
+    const int sb = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (sb >= nsb) return;
+    const size_t base = (size_t)t * n_cols + (size_t)sb * 256;
+    q8k_warp(x + base, aq + base, dq + (size_t)t * nsb + sb, t < n_4x8);
 }
 
 // cs/sn[r][i] = the host's table at row r's position (positions beyond the table give 0;

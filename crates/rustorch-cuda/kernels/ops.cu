@@ -4,12 +4,15 @@
 // out = rms_norm(x) * w per row of n values (out may equal x). Sum of squares in f64 as the
 // CPU does; one block per row, blockDim a multiple of 32. With y, first x += y (stored).
 // With quant (n a multiple of 32), out is also quantized into (aq, ads) as quantize_q8_1
-// does (cpu: its ggml-cpu rule): each warp's 32 consecutive values form one block.
+// does (cpu: its ggml-cpu rule): each warp's 32 consecutive values form one block. With eq
+// (n a multiple of 256; exact mode), out is also quantized to Q8_K into (eq, edq) as
+// quantize_q8_k does (rows below n_4x8 with the 4x8 rule), for the products that take Q8_K.
 #define RMS_REG 4
 extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
                                     const float *__restrict__ w, float *out, int n, float eps,
                                     i8 *__restrict__ aq, float2 *__restrict__ ads, int quant,
-                                    int cpu) {
+                                    int cpu, i8 *__restrict__ eq, float *__restrict__ edq,
+                                    int n_4x8) {
     PDL_ENTRY();
     __shared__ double sm[32];
     const size_t base = (size_t)blockIdx.x * n;
@@ -78,6 +81,13 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
         out[base + i] = o;
         if (quant)
             quantize_lane(o, aq, base + i, &ads[(size_t)blockIdx.x * ng + (i >> 5)], cpu);
+    }
+    if (eq != 0) {
+        __syncthreads();  // (this block's `out` visible to all its threads)
+        const int nsb = n >> 8, nw = blockDim.x >> 5;
+        for (int sb = warp; sb < nsb; sb += nw)
+            q8k_warp(out + base + (size_t)sb * 256, eq + base + (size_t)sb * 256,
+                     edq + (size_t)blockIdx.x * nsb + sb, (int)blockIdx.x < n_4x8);
     }
 }
 

@@ -281,6 +281,15 @@ impl CudaDevice {
             let f = module.load_function(&name).map_err(|e| {
                 CudaError::Driver(format!("kernel {name} missing from the module: {e}"))
             })?;
+            if name.starts_with("mmve_") {
+                // the exact products stage every row's integer sums in shared memory: the
+                // largest carveout lets one more block per multiprocessor in (a preference;
+                // a driver that refuses it only costs speed)
+                let _ = f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                );
+            }
             funcs.insert(name, f);
         }
         Ok(CudaDevice {

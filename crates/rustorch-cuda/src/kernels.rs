@@ -31,6 +31,9 @@ const TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
 /// Head sizes up to 32 * E for the attention kernels of E values per lane.
 pub(crate) const ATTN_E: [usize; 3] = [2, 4, 8];
 const MMV_THREADS: usize = 128;
+/// Groups of 32 per lane and pass of the short exact products (`MMVE_G_SHORT` in
+/// kernels/exact.cu).
+const MMVE_G_SHORT: usize = 4;
 /// Threads of a fused gate/up product block (`GLUQ_THREADS` in kernels/quant.cu).
 const GLUQ_THREADS: u32 = 512;
 
@@ -170,6 +173,7 @@ pub fn kernel_names() -> Vec<String> {
     for (ty, s) in FORMATS {
         if exact_kind(ty).is_some() {
             v.push(format!("mmve_{s}"));
+            v.push(format!("mmve_{s}_l"));
         }
     }
     for e in ATTN_E {
@@ -215,6 +219,9 @@ pub struct Scratch {
     /// values d).
     eq: GpuVec<i8>,
     eds: GpuVec<f32>,
+    /// With `acts_of`, when a fused norm also left its output's Q8_K quantization in
+    /// `eq`/`eds`: (address, tokens taking the 4x8 rule).
+    eacts_of: Option<(u64, usize)>,
 }
 
 /// The activation format of an exact product ([`CudaDevice::set_exact`]) of weights of type `ty`.
@@ -658,7 +665,9 @@ impl CudaDevice {
                             "Q8_K activations of rows of {n_cols}"
                         )));
                     }
-                    if q8k_done != Some(n_4x8) {
+                    let fused = s.acts_of == Some((x.ptr(), x.len(), n_cols))
+                        && s.eacts_of == Some((x.ptr(), n_4x8));
+                    if q8k_done != Some(n_4x8) && !fused {
                         q8k_done = Some(n_4x8);
                         self.quantize_exact(x, n_tok, n_cols, 256, n_4x8 as i32, s)?
                     } else {
@@ -680,6 +689,10 @@ impl CudaDevice {
                 outs[i + m].resize(self, n_tok * ws[i + m].n_rows)?;
                 job.out[m] = outs[i + m].ptr();
             }
+            if n_tok == 1 && probe_skip(&ws[i..k], glu) {
+                i = k;
+                continue;
+            }
             // (with glu, the gate and up rows share a warp, except Q6_K's: one each)
             let warps: usize = if glu && ty != GgmlType::Q6_K {
                 ws[i].n_rows
@@ -688,8 +701,12 @@ impl CudaDevice {
             } else {
                 ws[i..k].iter().map(|w| w.n_rows).sum()
             };
+            // rows one pass of the short kernel does not cover take the long one (32 * G
+            // groups of 32 per warp and pass, shared by R rows: see kernels/exact.cu)
+            let rows_per_warp = if glu && ty != GgmlType::Q6_K { 2 } else { 1 };
+            let long = n_cols / 32 > 32 * MMVE_G_SHORT / rows_per_warp;
             self.launch(
-                &format!("mmve_{st}"),
+                &format!("mmve_{st}{}", if long { "_l" } else { "" }),
                 (blocks(warps, 4), n_tok as u32, 1),
                 128,
                 &[&job, &aq, &ads, &nc, &mode],
@@ -712,6 +729,7 @@ impl CudaDevice {
         s: &mut Scratch,
     ) -> Result<(u64, u64)> {
         let per32 = block == 32;
+        s.eacts_of = None;
         s.eq.resize(self, n_tok * n_cols)?;
         s.eds
             .resize(self, n_tok * n_cols / block * if per32 { 2 } else { 1 })?;
@@ -749,6 +767,7 @@ impl CudaDevice {
         s.aq.resize(self, len)?;
         s.ads.resize(self, len / 32 * 2)?;
         s.acts_of = Some((out.ptr(), len, width));
+        s.eacts_of = None;
         s.alt = false;
         Ok(1)
     }
@@ -1067,6 +1086,7 @@ impl CudaDevice {
         let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
         // (set before the launch: the timing probe may skip it)
         s.acts_of = Some((gate.ptr(), n_rows, n_rows));
+        s.eacts_of = None;
         s.alt = true;
         if probe_skip(&[wg, wu], true) {
             return Ok(());
@@ -1194,16 +1214,29 @@ impl CudaDevice {
                 "rms_norm of {len} values in rows of {n}"
             )));
         }
-        let (aq, ads, quant) = match s {
+        // exact mode: the Q8_K quantization too, for products that take it (rows below
+        // n_4x8 with the CPU's Q4_K gemm rule, as mmv_exact asks for Q4_K)
+        let n_tok = len / n;
+        let n_4x8 = n_tok - n_tok % 4;
+        let (aq, ads, quant, eq, edq) = match s {
             Some(s) => {
                 s.aq.resize(self, len)?;
                 s.ads.resize(self, len / 32 * 2)?;
                 s.acts_of = Some((out, len, n));
+                s.eacts_of = None;
                 s.alt = false;
-                (s.aq.ptr(), s.ads.ptr(), 1i32)
+                let (mut eq, mut edq) = (0u64, 0u64);
+                if self.exact() && n.is_multiple_of(256) {
+                    s.eq.resize(self, len)?;
+                    s.eds.resize(self, len / 256)?;
+                    s.eacts_of = Some((out, n_4x8));
+                    (eq, edq) = (s.eq.ptr(), s.eds.ptr());
+                }
+                (s.aq.ptr(), s.ads.ptr(), 1i32, eq, edq)
             }
-            None => (0u64, 0u64, 0i32),
+            None => (0u64, 0u64, 0i32, 0u64, 0u64),
         };
+        let n4 = n_4x8 as i32;
         if len == 0 {
             return Ok(());
         }
@@ -1219,7 +1252,9 @@ impl CudaDevice {
             "rms_norm",
             ((len / n) as u32, 1, 1),
             threads,
-            &[&x, &y, &wp, &out, &ni, &eps, &aq, &ads, &quant, &cpu],
+            &[
+                &x, &y, &wp, &out, &ni, &eps, &aq, &ads, &quant, &cpu, &eq, &edq, &n4,
+            ],
         )
     }
 
@@ -1535,6 +1570,9 @@ impl CudaDevice {
             let (cap, win) = (shape.softcap, shape.window);
             let inline = i32::from(rope.is_some());
             let ar = rope.copied().unwrap_or_default();
+            if arith().probe & 2 != 0 && n == 1 {
+                return Ok(());
+            }
             return self.launch(
                 "attn_exact",
                 (nh as u32, n as u32, 1),
