@@ -393,7 +393,9 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 
 // ---------------------------------------------------------------------------------------
 // attn_exact: that arithmetic, bit for bit, with the independent parts in parallel. Per
-// (head, row) block, in chunks of AE_CELLS cells:
+// (head, row) block, in chunks of at most AE_KV / hd cells (AE_CELLS at most):
+//   0. the chunk's slots and positions, then its keys and values into shared memory, every
+//      load of the chunk in flight together (16 bytes a load where the rows allow).
 //   1. every visible cell's score, a half-warp per cell: lane l keeps the four running sums
 //      of elements 64b + 16k + l (k = 0..3) as the CPU's 4 x 16 lanes, then (a0 + a2) +
 //      (a1 + a3), then the lane tree of _mm512_reduce_add_ps; leftovers past a multiple of 64
@@ -403,26 +405,28 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 //      maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1, vs = expf(s - m) (glibc's
 //      expf); masked cells ms = 1, vs = 0 (skipped).
 //   3. the chains that must stay sequential: each dimension's f16 accumulator (one thread per
-//      dimension, cells in order) and the running sum S = fma(S, ms, vs) (the last warp).
-//      A dimension's step is acc = f16(f16(acc * ms) + v * vs) with one fused multiply-add,
-//      the scaling done on every cell: with ms = 1 it gives acc back to the bit (acc is an
-//      f16 value), so the CPU's "only on a new maximum" needs no branch.
-// Then out = acc * (1 / S), quantized for the next product with `quant` (as quantize_q8_1,
-// the CPU's rule). Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope`
-// (one row): rope_kv_write's work inside, as attn_rope does (q and the new k rotated here,
-// the new cell's key and value taken from shared memory, stored by each KV head's first
-// query head). The first chunk's slots and positions load with the rotation's inputs, and
-// each dimension's values of the first AE_V cells before the scores are summed, so the
-// block waits on memory three times, not five.
+//      dimension, cells in order, values from shared memory) and the running sum
+//      S = fma(S, ms, vs) (the last warp). A dimension's step is acc = f16(f16(acc * ms) +
+//      v * vs) with one fused multiply-add (with AE_MS_BRANCH=1 the scaling only on a new
+//      maximum, as the CPU; with ms = 1 it gives acc back to the bit either way).
+// The running maximum, sum and accumulators carry from chunk to chunk. Then out = acc *
+// (1 / S), quantized for the next product with `quant` (as quantize_q8_1, the CPU's rule).
+// Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope` (one row):
+// rope_kv_write's work inside, as attn_rope does (q and the new k rotated here, stored by
+// each KV head's first query head; every block takes the new cell's key and value from its
+// own rotation, not from the cache); and as there, every other cell, the descriptors and
+// the new cell's slot were written before this step's kernels, so the first chunk is
+// loaded before the wait for the kernel before (the Q/K/V product).
 
+#ifndef AE_THREADS
 #define AE_THREADS 288
-#define AE_CELLS 1024
-#ifndef AE_U
-#define AE_U 1
 #endif
-#ifndef AE_V
-#define AE_V 32
+#define AE_CELLS 256
+#define AE_KV 8192
+#ifndef AE_MS_BRANCH
+#define AE_MS_BRANCH 0
 #endif
+#define AE_HW (AE_THREADS / 16)
 
 extern "C" __global__ void __launch_bounds__(AE_THREADS)
     attn_exact(const float *__restrict__ q, const u64 *__restrict__ rows,
@@ -430,15 +434,19 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
                int n_head, int n_head_kv, int hd, int kv_stride, float scale, float softcap,
                u32 window, int native, i8 *__restrict__ aq, float2 *__restrict__ ads,
                int quant, int rope, AttnRope ar) {
-    PDL_ENTRY();
+    PDL_ENTRY_INSIDE();
     __shared__ float qs[256];
-    __shared__ float knew[256], vnew[256];
+    __shared__ __align__(16) u16 kst[AE_KV];  // the chunk's keys, cell after cell
+    __shared__ __align__(16) u16 vst[AE_KV];  // and values
     __shared__ float ssh[AE_CELLS];           // scores
-    __shared__ float2 mv[AE_CELLS + AE_V];    // (ms, vs) per cell (+ room for reads past n)
+    __shared__ float2 mv[AE_CELLS];           // (ms, vs) per cell
     __shared__ u32 slot[AE_CELLS];
     __shared__ u32 spos[AE_CELLS];
     __shared__ float wmax[AE_THREADS / 32];
     __shared__ float Ssh;
+    __shared__ int cnew;                      // the new cell's index in the chunk, or -1
+    __shared__ u16 knew[256], vnew[256];      // its key and value, from this block's rotation
+    if (!rope) PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const AttnCells cells = attn_cells(rows, t, window);
@@ -450,15 +458,58 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     const int np = hd & ~63, nb = np / 64, npn = native ? (hd & ~127) : 0;
     const float *qh = q + ((size_t)t * n_head + h) * hd;
     const u32 jnew = rope ? ar.new_slot[0] : 0xffffffffu;
-    // the chunk's slots and positions, loaded together
+    const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
+    const int CH = min(AE_CELLS, AE_KV / hd);  // cells per chunk
+    const bool vec = (hd % 8) == 0 && (kv_stride % 8) == 0;
+    // 0. the chunk's slots and positions; then (after a barrier) its keys and values
     auto load_cells = [&](int c0, int n) {
+        if (tid == 0) cnew = -1;
+        __syncthreads();  // (the last chunk's cells read by every thread)
         for (int ci = tid; ci < n; ci += AE_THREADS) {
-            slot[ci] = SL ? SL[c0 + ci] : (u32)(c0 + ci);
+            const u32 sl = SL ? SL[c0 + ci] : (u32)(c0 + ci);
+            slot[ci] = sl;
             spos[ci] = P[c0 + ci];
+            if (sl == jnew) cnew = ci;
+        }
+        __syncthreads();
+    };
+    auto load_kv = [&](int n) {
+        if (vec) {
+            const int pc = hd >> 3, tot = n * pc;
+            for (int i0 = tid; i0 < tot; i0 += 4 * AE_THREADS) {
+                uint4 kr[4], vr[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int i = i0 + u * AE_THREADS;
+                    if (i < tot) {
+                        const int c = i / pc, e = i - c * pc;
+                        const size_t off = (size_t)slot[c] * kv_stride + 8 * e;
+                        kr[u] = *(const uint4 *)(Kh + off);
+                        vr[u] = *(const uint4 *)(Vh + off);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int i = i0 + u * AE_THREADS;
+                    if (i < tot) {
+                        ((uint4 *)kst)[i] = kr[u];
+                        ((uint4 *)vst)[i] = vr[u];
+                    }
+                }
+            }
+        } else {
+            for (int i = tid; i < n * hd; i += AE_THREADS) {
+                const int c = i / hd, e = i - c * hd;
+                const size_t off = (size_t)slot[c] * kv_stride + e;
+                kst[i] = Kh[off];
+                vst[i] = Vh[off];
+            }
         }
     };
-    load_cells(0, min(AE_CELLS, nc));
+    load_cells(0, min(CH, nc));
+    load_kv(min(CH, nc));
     if (rope) {
+        PDL_ENTRY();
         const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
         const int half = ar.n_rot / 2;
         const bool store = h % (n_head / n_head_kv) == 0;
@@ -474,8 +525,8 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
             }
             qs[i] = h2f(f2h(qv));
             const u16 kb = f2h(kv), vb = f2h(vh[i]);
-            knew[i] = h2f(kb);
-            vnew[i] = h2f(vb);
+            knew[i] = kb;
+            vnew[i] = vb;
             if (store) {
                 ar.K[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = kb;
                 ar.V[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = vb;
@@ -488,88 +539,61 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     float acc = 0.0f;     // dimension tid
     float M = NEG_INF;    // the maximum over earlier chunks
     float S = 0.0f;       // (the last warp's lane 0)
-    const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
     const bool fast = tid < hd && tid >= npn;  // a dimension rounded from f32 each step
-    const u16 *vcol = Vh + tid;
-    // this dimension's values of cells cb .. cb + AE_V - 1 (of n), loaded before any is used
-    float vv[AE_V];
-    auto load_values = [&](int cb, int n) {
-#pragma unroll
-        for (int k = 0; k < AE_V; k++) {
-            const u32 sl = slot[min(cb + k, n - 1)];
-            vv[k] = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
-        }
-    };
-    for (int c0 = 0; c0 < nc; c0 += AE_CELLS) {
-        const int n = min(AE_CELLS, nc - c0);
+    const int hw = tid >> 4, hl = tid & 15;
+    for (int c0 = 0; c0 < nc; c0 += CH) {
+        const int n = min(CH, nc - c0);
         if (c0 > 0) {
             load_cells(c0, n);
+            load_kv(n);
             __syncthreads();
         }
-        if (fast) load_values(0, n);
-        // 1. scores (each half-warp loads the keys of AE_U cells before it sums any)
-        const int hw = tid >> 4, hl = tid & 15;
-        for (int cb = 0; cb < n; cb += (AE_THREADS / 16) * AE_U) {
-            float kf[AE_U][16];
-            bool vis[AE_U];
-            u32 sl[AE_U];
-#pragma unroll
-            for (int u = 0; u < AE_U; u++) {
-                const int ci = cb + hw + (AE_THREADS / 16) * u;
-                vis[u] = false;
-                sl[u] = 0;
-                if (ci < n) {
-                    const u32 p = spos[ci];
-                    vis[u] = p <= max_pos && p >= min_pos;
-                    sl[u] = slot[ci];
-                }
-                const u16 *kr = Kh + (size_t)sl[u] * kv_stride;
-                const bool isnew = sl[u] == jnew;
+        // (the new cell from this block's rotation: the cache's copy is written by another
+        // block, and the first chunk was loaded before it)
+        if (cnew >= 0 && tid < hd) {
+            kst[cnew * hd + tid] = knew[tid];
+            vst[cnew * hd + tid] = vnew[tid];
+        }
+        __syncthreads();
+        // 1. scores
+        for (int cb = 0; cb < n; cb += AE_HW) {
+            const int ci = cb + hw;
+            bool vis = false;
+            if (ci < n) {
+                const u32 p = spos[ci];
+                vis = p <= max_pos && p >= min_pos;
+            }
+            const u16 *kr = kst + (size_t)min(ci, n - 1) * hd;
+            float a = 0.0f;
+            if (vis) {
+                float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int b = 0; b < 4; b++) {
+                    if (b < nb) {
 #pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        const int i = 64 * b + 16 * k + hl;
-                        kf[u][4 * b + k] =
-                            (vis[u] && b < nb) ? (isnew ? knew[i] : h2f(kr[i])) : 0.0f;
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < AE_U; u++) {
-                const int ci = cb + hw + (AE_THREADS / 16) * u;
-                float a = 0.0f;
-                if (vis[u]) {
-                    float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                    for (int b = 0; b < 4; b++) {
-                        if (b < nb) {
-#pragma unroll
-                            for (int k = 0; k < 4; k++)
-                                a4[k] = __fadd_rn(a4[k],
-                                                  __fmul_rn(qs[64 * b + 16 * k + hl], kf[u][4 * b + k]));
+                        for (int k = 0; k < 4; k++) {
+                            const int i = 64 * b + 16 * k + hl;
+                            a4[k] = __fadd_rn(a4[k], __fmul_rn(qs[i], h2f(kr[i])));
                         }
                     }
-                    a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
                 }
-                const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8, 16));
-                const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4, 16));
-                const float u0 = __shfl_sync(FULL_MASK, w4, 0, 16);
-                const float u1 = __shfl_sync(FULL_MASK, w4, 1, 16);
-                const float u2 = __shfl_sync(FULL_MASK, w4, 2, 16);
-                const float u3 = __shfl_sync(FULL_MASK, w4, 3, 16);
-                if (ci < n && hl == 0) {
-                    float s = NEG_INF;
-                    if (vis[u]) {
-                        const u16 *kr = Kh + (size_t)sl[u] * kv_stride;
-                        double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
-                        for (int i = np; i < hd; i++)
-                            sum += (double)__fmul_rn(qs[i], sl[u] == jnew ? knew[i] : h2f(kr[i]));
-                        s = __fmul_rn((float)sum, scale);
-                        if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
-                    }
-                    ssh[ci] = s;
+                a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
+            }
+            const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8, 16));
+            const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4, 16));
+            const float u0 = __shfl_sync(FULL_MASK, w4, 0, 16);
+            const float u1 = __shfl_sync(FULL_MASK, w4, 1, 16);
+            const float u2 = __shfl_sync(FULL_MASK, w4, 2, 16);
+            const float u3 = __shfl_sync(FULL_MASK, w4, 3, 16);
+            if (ci < n && hl == 0) {
+                float s = NEG_INF;
+                if (vis) {
+                    double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
+                    for (int i = np; i < hd; i++) sum += (double)__fmul_rn(qs[i], h2f(kr[i]));
+                    s = __fmul_rn((float)sum, scale);
+                    if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
                 }
+                ssh[ci] = s;
             }
         }
         __syncthreads();
@@ -609,15 +633,20 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         __syncthreads();
         // 3. the sequential chains
         if (fast) {
-            for (int cb = 0; cb < n; cb += AE_V) {
-                if (cb > 0) load_values(cb, n);
-#pragma unroll
-                for (int k = 0; k < AE_V; k++) {
-                    const float2 w = mv[cb + k];
-                    if (cb + k < n && w.y != 0.0f) {
-                        const float sc = h2f(f2h(__fmul_rn(acc, w.x)));
-                        acc = h2f(f2h(__fmaf_rn(vv[k], w.y, sc)));
-                    }
+            const u16 *vc = vst + tid;
+#pragma unroll 8
+            for (int c = 0; c < n; c++) {
+                const float2 w = mv[c];
+                const float vf = h2f(vc[c * hd]);
+                if (w.y != 0.0f) {
+#if AE_MS_BRANCH
+                    // (uniform: every thread of the block takes the same cell)
+                    if (w.x != 1.0f) acc = h2f(f2h(__fmul_rn(acc, w.x)));
+                    acc = h2f(f2h(__fmaf_rn(vf, w.y, acc)));
+#else
+                    const float sc = h2f(f2h(__fmul_rn(acc, w.x)));
+                    acc = h2f(f2h(__fmaf_rn(vf, w.y, sc)));
+#endif
                 }
             }
         } else if (tid < npn) {
@@ -625,15 +654,13 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
             for (int c = 0; c < n; c++) {
                 const float2 w = mv[c];
                 if (w.y == 0.0f) continue;
-                const u32 sl = slot[c];
-                const float vf = sl == jnew ? vnew[tid] : h2f(vcol[(size_t)sl * kv_stride]);
+                const float vf = h2f(vst[c * hd + tid]);
                 if (w.x != 1.0f) acc = h2f(f64_to_f16((double)acc * (double)h2f(f2h(w.x))));
                 acc = h2f(f64_to_f16(fma((double)vf, (double)h2f(f2h(w.y)), (double)acc)));
             }
         } else if (tid == AE_THREADS - 32) {
             for (int c = 0; c < n; c++) S = __fmaf_rn(S, mv[c].x, mv[c].y);
         }
-        __syncthreads();
     }
     if (tid == AE_THREADS - 32) Ssh = S;
     __syncthreads();

@@ -40,6 +40,10 @@ pub fn kernel_source() -> String {
     if aw != 4 {
         s.push_str(&format!("#define ATTN_WARPS {aw}\n"));
     }
+    let at = crate::kernels::exact_attn_threads();
+    if at != crate::kernels::EXACT_ATTN_THREADS {
+        s.push_str(&format!("#define AE_THREADS {at}\n"));
+    }
     // experimental variants for A/B runs on one build: `RUSTORCH_CUDA_DEFS=NAME[=VALUE],...`
     // prepends `#define NAME VALUE` (part of the source, so of the module cache's key)
     if let Ok(defs) = std::env::var("RUSTORCH_CUDA_DEFS") {

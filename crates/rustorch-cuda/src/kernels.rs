@@ -31,6 +31,8 @@ const TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
 /// Head sizes up to 32 * E for the attention kernels of E values per lane.
 pub(crate) const ATTN_E: [usize; 3] = [2, 4, 8];
 const MMV_THREADS: usize = 128;
+/// Default threads of an `attn_exact` block (`AE_THREADS` in kernels/attn.cu).
+pub(crate) const EXACT_ATTN_THREADS: usize = 288;
 /// Groups of 32 per lane and pass of the short exact products (`MMVE_G_SHORT` in
 /// kernels/exact.cu).
 const MMVE_G_SHORT: usize = 4;
@@ -462,6 +464,19 @@ pub fn mmv_split(n_cols: usize) -> usize {
 /// two rounds: 2 warps Q4_0 1294/1305, F16 732/726; 4 warps 1347/1349, 727/744; 8 warps
 /// 1377/1386, 768/757; 16 warps 1335/1333, 717/712; tg512 Q4_0 with 4 / 8 / 16 warps
 /// 1268 / 1303 / 1218.)
+/// Threads of an `attn_exact` block (`RUSTORCH_CUDA_AE_THREADS`, a multiple of 32 from 288 to
+/// 1024: the head's dimensions and one more warp must fit).
+pub fn exact_attn_threads() -> usize {
+    static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        env_usize(
+            "RUSTORCH_CUDA_AE_THREADS",
+            |t| (288..=1024).contains(&t) && t % 32 == 0,
+            EXACT_ATTN_THREADS,
+        )
+    })
+}
+
 pub fn attn_warps() -> usize {
     static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *W.get_or_init(|| {
@@ -1576,7 +1591,7 @@ impl CudaDevice {
             return self.launch(
                 "attn_exact",
                 (nh as u32, n as u32, 1),
-                288,
+                exact_attn_threads() as u32,
                 &[
                     &qp, &rows, &pool_k, &pool_v, &op, &nhi, &nkv, &hdi, &kvs, &scale, &cap, &win,
                     &native, &aq, &ads, &quant, &inline, &ar,
