@@ -143,48 +143,66 @@ __device__ __forceinline__ void mmve_glu_store(const MmvJob &j, int wi, float v)
 
 // Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
 // rule (ads: per block d and s, each rounded to f16), R (1 or 2) rows of one warp against
-// the same activations (gate and up: both rows' loads in flight together). Each pass
-// decodes 32 * G / R groups of each row; lanes 8r .. 8r + 7 walk row r's lane chains and
-// lane 16 + 8r its minimum term. Lane 8r returns row r's dot product.
+// the same activations (gate and up: a lane decodes block b of both rows against one load
+// of its activations). Each pass a lane stages G / R blocks of each row: the eight integer
+// lane sums (two 16-byte stores) and d_w * d_a (and the minimum term's two factors); then
+// lanes 8r .. 8r + 7 walk row r's lane chains and lane 16 + 8r its minimum term. Row r's
+// slots start at r * (H + 1), so the two rows' chain lanes read other banks. Lane 8r
+// returns row r's dot product.
+template <bool MIN, int G>
+struct LegacySmem {
+    int4 si[32 * G + 1][2];
+    float d[32 * G + 1];
+    float2 m[MIN ? 32 * G + 1 : 1];
+};
+
 template <class F, bool MIN, int R, int G>
 __device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
                                                   const u8 *__restrict__ w1,
                                                   const i8 *__restrict__ a,
                                                   const float2 *__restrict__ ad, int nb,
-                                                  float (*sh)[9], float2 *shm) {
+                                                  LegacySmem<MIN, G> &st) {
     const int lane = threadIdx.x & 31;
     const int H = 32 * G / R;
     float acc = 0.0f, summs = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += H) {
 #pragma unroll
-        for (int i = 0; i < G; i++) {
-            const int sl = 32 * i + lane, r = sl / H, b = b0 + sl - r * H;
+        for (int i = 0; i < G / R; i++) {
+            const int j = 32 * i + lane, b = b0 + j;
             if (b < nb) {
-                Group g;
-                F::decode((r ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
                 const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
                 const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
                 const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
                 const float2 ds = ad[b];
 #pragma unroll
-                for (int k = 0; k < 8; k++)
-                    sh[sl][k] =
-                        __int2float_rn(dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0)));
-                sh[sl][8] = __fmul_rn(g.d0, ds.x);
-                if (MIN) shm[sl] = make_float2(g.m0, ds.y);
+                for (int r = 0; r < R; r++) {
+                    Group g;
+                    F::decode((r ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
+                    int sv[8];
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        sv[k] = dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0));
+                    const int sl = r * (H + 1) + j;
+                    st.si[sl][0] = make_int4(sv[0], sv[1], sv[2], sv[3]);
+                    st.si[sl][1] = make_int4(sv[4], sv[5], sv[6], sv[7]);
+                    st.d[sl] = __fmul_rn(g.d0, ds.x);
+                    if (MIN) st.m[sl] = make_float2(g.m0, ds.y);
+                }
             }
         }
         __syncwarp();
         const int n = min(H, nb - b0);
         if (lane < 8 * R) {
-            const int base = (lane >> 3) * H, l = lane & 7;
-#pragma unroll 8
-            for (int jj = 0; jj < n; jj++) acc = __fmaf_rn(sh[base + jj][8], sh[base + jj][l], acc);
-        } else if (MIN && (lane == 16 || (R == 2 && lane == 24))) {
-            const int base = lane == 24 ? H : 0;
+            const int base = (lane >> 3) * (H + 1), l = lane & 7;
+            const int *sv = (const int *)st.si;
 #pragma unroll 8
             for (int jj = 0; jj < n; jj++)
-                summs = __fmaf_rn(shm[base + jj].x, shm[base + jj].y, summs);
+                acc = __fmaf_rn(st.d[base + jj], __int2float_rn(sv[(base + jj) * 8 + l]), acc);
+        } else if (MIN && (lane == 16 || (R == 2 && lane == 24))) {
+            const int base = lane == 24 ? H + 1 : 0;
+#pragma unroll 8
+            for (int jj = 0; jj < n; jj++)
+                summs = __fmaf_rn(st.m[base + jj].x, st.m[base + jj].y, summs);
         }
         __syncwarp();
     }
@@ -327,12 +345,6 @@ __device__ __forceinline__ float mmve_q4k_rows(const u8 *__restrict__ w0,
 // per-warp shared memory and P::rows<R> (R rows of one warp against token blockIdx.y's
 // activations: `aq` codes, `sc` scales); with glu a warp takes gate and up row wi together,
 // else the one row of mmve_row.
-template <bool MIN, int G>
-struct LegacySmem {
-    float sh[32 * G][9];
-    float2 shm[MIN ? 32 * G : 1];
-};
-
 template <class F, bool MIN, int G>
 struct MmveLegacy {
     typedef LegacySmem<MIN, G> Smem;
@@ -345,7 +357,7 @@ struct MmveLegacy {
         const size_t t = blockIdx.y;
         const int nb = n_cols >> 5;
         return mmve_legacy_rows<F, MIN, R, G>(w0, w1, aq + t * n_cols, (const float2 *)sc + t * nb,
-                                           nb, m.sh, m.shm);
+                                              nb, m);
     }
 };
 
