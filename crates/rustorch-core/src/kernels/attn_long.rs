@@ -650,6 +650,7 @@ mod x86 {
         assert!(nq <= MAX_Q);
         let hd = qs[0].q.len();
         let nv = hd / 8;
+        let wide16 = hd.is_multiple_of(16);
         let zero = _mm256_setzero_ps();
         use std::mem::MaybeUninit;
         // Scratch rows of `hd` floats (only written parts are ever read).
@@ -719,22 +720,52 @@ mod x86 {
                 if mk == 0 {
                     continue;
                 }
+                // Head sizes that are a multiple of 16 sum each key dot as the AVX-512
+                // kernel does (one accumulator per 16 elements' lane: here its two halves,
+                // `z` and `zh`, then the same tree), so that both levels give the same
+                // scores; other head sizes in 8-wide steps.
                 let mut z = [zero; 8];
-                for (c, zc) in z.iter_mut().enumerate().take(nc) {
+                let mut zh = [zero; 8];
+                for (c, (zc, zhc)) in z.iter_mut().zip(zh.iter_mut()).enumerate().take(nc) {
                     if mk & (1 << c) == 0 {
                         continue;
                     }
-                    let mut a = zero;
-                    for i in 0..nv {
-                        a = _mm256_fmadd_ps(
-                            _mm256_loadu_ps(qp.add(j * hd + 8 * i)),
-                            _mm256_loadu_ps(kp.add(c * hd + 8 * i)),
-                            a,
-                        );
+                    let (q, k) = (qp.add(j * hd), kp.add(c * hd));
+                    if wide16 {
+                        let (mut lo, mut hi) = (zero, zero);
+                        for i in 0..nv / 2 {
+                            let (a, b) = (16 * i, 16 * i + 8);
+                            lo = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(q.add(a)),
+                                _mm256_loadu_ps(k.add(a)),
+                                lo,
+                            );
+                            hi = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(q.add(b)),
+                                _mm256_loadu_ps(k.add(b)),
+                                hi,
+                            );
+                        }
+                        *zc = lo;
+                        *zhc = hi;
+                    } else {
+                        let mut a = zero;
+                        for i in 0..nv {
+                            a = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(q.add(8 * i)),
+                                _mm256_loadu_ps(k.add(8 * i)),
+                                a,
+                            );
+                        }
+                        *zc = a;
                     }
-                    *zc = a;
                 }
-                let sv = _mm256_mul_ps(transpose_sum8(&z), _mm256_set1_ps(h.scale));
+                let dots = if wide16 {
+                    _mm256_add_ps(transpose_sum8(&z), transpose_sum8(&zh))
+                } else {
+                    transpose_sum8(&z)
+                };
+                let sv = _mm256_mul_ps(dots, _mm256_set1_ps(h.scale));
                 let mut sc = [0f32; 8];
                 _mm256_storeu_ps(sc.as_mut_ptr(), sv);
                 if h.softcap != 0.0 {
@@ -900,6 +931,86 @@ mod tests {
             .collect()
     }
 
+    /// Random keys, values and queries for one KV head (the second of two) over `ncell`
+    /// cells; query j sees cells up to ncell - 1 - 3j, every third one a window of 16.
+    struct Case {
+        hd: usize,
+        k: Vec<u16>,
+        v: Vec<u16>,
+        pos: Vec<u32>,
+        q: Vec<f32>,
+        bounds: Vec<(u32, u32)>,
+        softcap: f32,
+    }
+
+    impl Case {
+        fn new(hd: usize, nq: usize, ncell: usize, softcap: f32) -> Case {
+            let kvd = 2 * hd;
+            let half = |seed| -> Vec<u16> {
+                noise(seed, ncell * kvd)
+                    .iter()
+                    .map(|&x| f32_to_f16(x))
+                    .collect()
+            };
+            let bounds = (0..nq)
+                .map(|j| {
+                    let hi = (ncell - 1).saturating_sub(3 * j) as u32;
+                    let lo = if j % 3 == 2 { hi.saturating_sub(15) } else { 0 };
+                    (lo, hi)
+                })
+                .collect();
+            Case {
+                hd,
+                k: half(1),
+                v: half(2),
+                pos: (0..ncell as u32).collect(),
+                q: noise(3, nq * hd),
+                bounds,
+                softcap,
+            }
+        }
+
+        fn head(&self) -> HeadAttn<'_> {
+            let scale = 1.0 / (self.hd as f32).sqrt();
+            HeadAttn {
+                q: &[],
+                k: &self.k,
+                v: &self.v,
+                stride: 2 * self.hd,
+                offset: self.hd,
+                pos: &self.pos,
+                min_pos: 0,
+                max_pos: 0,
+                scale: if self.softcap != 0.0 {
+                    scale / self.softcap
+                } else {
+                    scale
+                },
+                softcap: self.softcap,
+                native_f16: false,
+            }
+        }
+
+        /// Every query's output from one grouped call.
+        fn grouped(&self, isa: Isa) -> Vec<f32> {
+            let hd = self.hd;
+            let mut outs = vec![0f32; self.bounds.len() * hd];
+            let mut queries: Vec<GroupQuery<'_>> = outs
+                .chunks_mut(hd)
+                .enumerate()
+                .map(|(j, out)| GroupQuery {
+                    q: &self.q[j * hd..(j + 1) * hd],
+                    min_pos: self.bounds[j].0,
+                    max_pos: self.bounds[j].1,
+                    out,
+                })
+                .collect();
+            attend_group(isa, &self.head(), &mut queries);
+            drop(queries);
+            outs
+        }
+    }
+
     /// The grouped kernels of every level this CPU has give each query what the one-query
     /// kernel of that level gives it (up to the key dot product's summation order: within a
     /// few f16 steps of the accumulator), for head sizes 32 to 256, causal and sliding
@@ -914,62 +1025,14 @@ mod tests {
                 (256, 3, 41, 30.0),
                 (72, 4, 19, 0.0),
             ] {
-                let kvd = 2 * hd; // two KV heads; the second is used
-                let k: Vec<u16> = noise(1, ncell * kvd)
-                    .iter()
-                    .map(|&x| f32_to_f16(x))
-                    .collect();
-                let v: Vec<u16> = noise(2, ncell * kvd)
-                    .iter()
-                    .map(|&x| f32_to_f16(x))
-                    .collect();
-                let pos: Vec<u32> = (0..ncell as u32).collect();
-                let q = noise(3, nq * hd);
-                let scale = 1.0 / (hd as f32).sqrt();
-                let h = HeadAttn {
-                    q: &[],
-                    k: &k,
-                    v: &v,
-                    stride: kvd,
-                    offset: hd,
-                    pos: &pos,
-                    min_pos: 0,
-                    max_pos: 0,
-                    scale: if softcap != 0.0 {
-                        scale / softcap
-                    } else {
-                        scale
-                    },
-                    softcap,
-                    native_f16: false,
-                };
-                // query j sees cells up to ncell - 1 - 3j, every third one a window of 16
-                let bounds: Vec<(u32, u32)> = (0..nq)
-                    .map(|j| {
-                        let hi = (ncell - 1).saturating_sub(3 * j) as u32;
-                        let lo = if j % 3 == 2 { hi.saturating_sub(15) } else { 0 };
-                        (lo, hi)
-                    })
-                    .collect();
-                let mut outs = vec![0f32; nq * hd];
-                let mut queries: Vec<GroupQuery<'_>> = outs
-                    .chunks_mut(hd)
-                    .enumerate()
-                    .map(|(j, out)| GroupQuery {
-                        q: &q[j * hd..(j + 1) * hd],
-                        min_pos: bounds[j].0,
-                        max_pos: bounds[j].1,
-                        out,
-                    })
-                    .collect();
-                attend_group(isa, &h, &mut queries);
-                drop(queries);
+                let case = Case::new(hd, nq, ncell, softcap);
+                let outs = case.grouped(isa);
                 for j in 0..nq {
                     let one = HeadAttn {
-                        q: &q[j * hd..(j + 1) * hd],
-                        min_pos: bounds[j].0,
-                        max_pos: bounds[j].1,
-                        ..h
+                        q: &case.q[j * hd..(j + 1) * hd],
+                        min_pos: case.bounds[j].0,
+                        max_pos: case.bounds[j].1,
+                        ..case.head()
                     };
                     let mut want = vec![0f32; hd];
                     attend_head(isa, &one, &mut want);
@@ -983,6 +1046,34 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// For head sizes that are a multiple of 16 the AVX2 grouped kernel sums each key dot
+    /// as the AVX-512 one does, so a long prompt's attention (and the text after it) does
+    /// not depend on which of the two levels the CPU has: every output equal to the bit.
+    #[test]
+    fn avx2_equals_avx512_on_heads_of_16() {
+        let levels = Isa::available();
+        if !levels.contains(&Isa::Avx512) || !levels.contains(&Isa::Avx2) {
+            eprintln!("SKIPPED: avx2_equals_avx512_on_heads_of_16: this CPU lacks AVX-512");
+            return;
+        }
+        for &(hd, nq, ncell, softcap) in &[
+            (64usize, 12usize, 100usize, 0.0f32),
+            (128, 5, 70, 0.0),
+            (256, 3, 41, 30.0),
+            (64, 16, 300, 0.0),
+        ] {
+            let case = Case::new(hd, nq, ncell, softcap);
+            let (a, b) = (case.grouped(Isa::Avx2), case.grouped(Isa::Avx512));
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert_eq!(
+                    x.to_bits(),
+                    y.to_bits(),
+                    "hd {hd} value {i}: AVX2 {x}, AVX-512 {y}"
+                );
             }
         }
     }
