@@ -49,6 +49,10 @@ pub fn kernel_source() -> String {
     if let Ok(defs) = std::env::var("RUSTORCH_CUDA_DEFS") {
         for d in defs.split(',').filter(|d| !d.is_empty()) {
             let (k, v) = d.split_once('=').unwrap_or((d, ""));
+            if k == "AE_THREADS" {
+                // (the launch's block size: RUSTORCH_CUDA_AE_THREADS sets both)
+                continue;
+            }
             s.push_str(&format!("#define {k} {v}\n"));
         }
     }

@@ -458,12 +458,6 @@ pub fn mmv_split(n_cols: usize) -> usize {
     split_for(s, n_cols)
 }
 
-/// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 8, or
-/// `RUSTORCH_CUDA_ATTN_WARPS` (1 to 32); 4 with the persistent kernel, whose blocks have 4.
-/// (On an H100, TinyLlama shape, a block loading 8 / e cells per warp at once, tg128 t/s,
-/// two rounds: 2 warps Q4_0 1294/1305, F16 732/726; 4 warps 1347/1349, 727/744; 8 warps
-/// 1377/1386, 768/757; 16 warps 1335/1333, 717/712; tg512 Q4_0 with 4 / 8 / 16 warps
-/// 1268 / 1303 / 1218.)
 /// Threads of an `attn_exact` block (`RUSTORCH_CUDA_AE_THREADS`, a multiple of 32 from 288 to
 /// 1024: the head's dimensions and one more warp must fit).
 pub fn exact_attn_threads() -> usize {
@@ -477,6 +471,12 @@ pub fn exact_attn_threads() -> usize {
     })
 }
 
+/// Warps per attention block (`ATTN_WARPS` in kernels/attn.cu): 8, or
+/// `RUSTORCH_CUDA_ATTN_WARPS` (1 to 32); 4 with the persistent kernel, whose blocks have 4.
+/// (On an H100, TinyLlama shape, a block loading 8 / e cells per warp at once, tg128 t/s,
+/// two rounds: 2 warps Q4_0 1294/1305, F16 732/726; 4 warps 1347/1349, 727/744; 8 warps
+/// 1377/1386, 768/757; 16 warps 1335/1333, 717/712; tg512 Q4_0 with 4 / 8 / 16 warps
+/// 1268 / 1303 / 1218.)
 pub fn attn_warps() -> usize {
     static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *W.get_or_init(|| {
@@ -1552,7 +1552,7 @@ impl CudaDevice {
                 shape.n_head_kv
             )));
         }
-        let Some(e) = ATTN_E.iter().copied().find(|&e| hd <= 32 * e) else {
+        let Some(e) = ATTN_E.iter().copied().find(|&e| hd > 0 && hd <= 32 * e) else {
             return Err(CudaError::Unsupported(format!("head size {hd} (max 256)")));
         };
         check_len("attention q", q.len(), n * nh * hd)?;
