@@ -407,8 +407,9 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 //   3. the chains that must stay sequential: each dimension's f16 accumulator (one thread per
 //      dimension, cells in order, values from shared memory) and the running sum
 //      S = fma(S, ms, vs) (the last warp). A dimension's step is acc = f16(f16(acc * ms) +
-//      v * vs) with one fused multiply-add (with AE_MS_BRANCH=1 the scaling only on a new
-//      maximum, as the CPU; with ms = 1 it gives acc back to the bit either way).
+//      v * vs) with one fused multiply-add, the scaling on every cell: with ms = 1 it gives
+//      acc back to the bit (acc is an f16 value), so the CPU's "only on a new maximum" needs
+//      no branch (a branch measured slower, docs/performance.md session 14).
 // The running maximum, sum and accumulators carry from chunk to chunk. Then out = acc *
 // (1 / S), quantized for the next product with `quant` (as quantize_q8_1, the CPU's rule).
 // Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope` (one row):
@@ -423,9 +424,6 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 #endif
 #define AE_CELLS 256
 #define AE_KV 8192
-#ifndef AE_MS_BRANCH
-#define AE_MS_BRANCH 0
-#endif
 #define AE_HW (AE_THREADS / 16)
 
 extern "C" __global__ void __launch_bounds__(AE_THREADS)
@@ -639,14 +637,8 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
                 const float2 w = mv[c];
                 const float vf = h2f(vc[c * hd]);
                 if (w.y != 0.0f) {
-#if AE_MS_BRANCH
-                    // (uniform: every thread of the block takes the same cell)
-                    if (w.x != 1.0f) acc = h2f(f2h(__fmul_rn(acc, w.x)));
-                    acc = h2f(f2h(__fmaf_rn(vf, w.y, acc)));
-#else
                     const float sc = h2f(f2h(__fmul_rn(acc, w.x)));
                     acc = h2f(f2h(__fmaf_rn(vf, w.y, sc)));
-#endif
                 }
             }
         } else if (tid < npn) {

@@ -221,9 +221,9 @@ pub struct Scratch {
     /// values d).
     eq: GpuVec<i8>,
     eds: GpuVec<f32>,
-    /// With `acts_of`, when a fused norm also left its output's Q8_K quantization in
-    /// `eq`/`eds`: (address, tokens taking the 4x8 rule).
-    eacts_of: Option<(u64, usize)>,
+    /// When the op that set `acts_of` (a fused norm) also left that buffer's Q8_K
+    /// quantization in `eq`/`eds`: the tokens taking the 4x8 rule.
+    eacts_of: Option<usize>,
 }
 
 /// The activation format of an exact product ([`CudaDevice::set_exact`]) of weights of type `ty`.
@@ -258,6 +258,15 @@ impl Scratch {
         } else {
             (self.aq.ptr(), self.ads.ptr())
         }
+    }
+
+    /// Records that the next product's quantized activations (`gq`/`gds` with `alt`, else
+    /// `aq`/`ads`) are those of the buffer `of` (address, length, row width), and no Q8_K
+    /// quantization of it yet.
+    fn claim_acts(&mut self, of: (u64, usize, usize), alt: bool) {
+        self.acts_of = Some(of);
+        self.eacts_of = None;
+        self.alt = alt;
     }
 }
 
@@ -680,8 +689,8 @@ impl CudaDevice {
                             "Q8_K activations of rows of {n_cols}"
                         )));
                     }
-                    let fused = s.acts_of == Some((x.ptr(), x.len(), n_cols))
-                        && s.eacts_of == Some((x.ptr(), n_4x8));
+                    let fused =
+                        s.acts_of == Some((x.ptr(), x.len(), n_cols)) && s.eacts_of == Some(n_4x8);
                     if q8k_done != Some(n_4x8) && !fused {
                         q8k_done = Some(n_4x8);
                         self.quantize_exact(x, n_tok, n_cols, 256, n_4x8 as i32, s)?
@@ -781,9 +790,7 @@ impl CudaDevice {
         }
         s.aq.resize(self, len)?;
         s.ads.resize(self, len / 32 * 2)?;
-        s.acts_of = Some((out.ptr(), len, width));
-        s.eacts_of = None;
-        s.alt = false;
+        s.claim_acts((out.ptr(), len, width), false);
         Ok(1)
     }
 
@@ -1100,9 +1107,7 @@ impl CudaDevice {
         let (gq, gds) = (s.gq.ptr(), s.gds.ptr());
         let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
         // (set before the launch: the timing probe may skip it)
-        s.acts_of = Some((gate.ptr(), n_rows, n_rows));
-        s.eacts_of = None;
-        s.alt = true;
+        s.claim_acts((gate.ptr(), n_rows, n_rows), true);
         if probe_skip(&[wg, wu], true) {
             return Ok(());
         }
@@ -1237,14 +1242,12 @@ impl CudaDevice {
             Some(s) => {
                 s.aq.resize(self, len)?;
                 s.ads.resize(self, len / 32 * 2)?;
-                s.acts_of = Some((out, len, n));
-                s.eacts_of = None;
-                s.alt = false;
+                s.claim_acts((out, len, n), false);
                 let (mut eq, mut edq) = (0u64, 0u64);
                 if self.exact() && n.is_multiple_of(256) {
                     s.eq.resize(self, len)?;
                     s.eds.resize(self, len / 256)?;
-                    s.eacts_of = Some((out, n_4x8));
+                    s.eacts_of = Some(n_4x8);
                     (eq, edq) = (s.eq.ptr(), s.eds.ptr());
                 }
                 (s.aq.ptr(), s.ads.ptr(), 1i32, eq, edq)
@@ -1560,15 +1563,20 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        if split.is_none() && (arith().attn_cpu || self.exact()) {
-            // the CPU's arithmetic (attn_exact), its output quantized for the product that
-            // follows where the products take the CPU's activation rule
-            let quant = if self.exact() || arith().q8_cpu {
-                self.quantized_out(s, out, n * nh * hd, nh * hd, hd)?
-            } else {
-                s.acts_of = None;
-                0
-            };
+        // the CPU's arithmetic (attn_exact) or the default kernels; the output quantized for
+        // the product that follows (with attn_exact only where the products take the CPU's
+        // activation rule)
+        let cpu_attn = split.is_none() && (arith().attn_cpu || self.exact());
+        let quant = if !cpu_attn || self.exact() || arith().q8_cpu {
+            self.quantized_out(s, out, n * nh * hd, nh * hd, hd)?
+        } else {
+            s.acts_of = None;
+            0
+        };
+        if arith().probe & 2 != 0 && n == 1 {
+            return Ok(());
+        }
+        if cpu_attn {
             let scale = if shape.softcap != 0.0 {
                 shape.scale / shape.softcap
             } else {
@@ -1585,9 +1593,6 @@ impl CudaDevice {
             let (cap, win) = (shape.softcap, shape.window);
             let inline = i32::from(rope.is_some());
             let ar = rope.copied().unwrap_or_default();
-            if arith().probe & 2 != 0 && n == 1 {
-                return Ok(());
-            }
             return self.launch(
                 "attn_exact",
                 (nh as u32, n as u32, 1),
@@ -1610,8 +1615,6 @@ impl CudaDevice {
         if n_split > 1 {
             s.part.resize(self, n * nh * n_split * (hd + 2))?;
         }
-        // the output quantized for the product that follows
-        let quant = self.quantized_out(s, out, n * nh * hd, nh * hd, hd)?;
         let (aq, ads, cpu) = (s.aq.ptr(), s.ads.ptr(), i32::from(arith().q8_cpu));
         let (qp, pp, op) = (q.ptr(), s.part.ptr(), out.ptr());
         let (nhi, nkv, hdi, kvs, ns) = (
@@ -1623,9 +1626,6 @@ impl CudaDevice {
         );
         let (sc, cap, win) = (shape.scale, shape.softcap, shape.window);
         let grid = (nh as u32, n as u32, n_split as u32);
-        if arith().probe & 2 != 0 && n == 1 {
-            return Ok(());
-        }
         match rope {
             Some(ar) => self.launch(
                 &format!("attn_rope_{e}"),
