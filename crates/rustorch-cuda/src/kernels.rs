@@ -176,6 +176,11 @@ pub fn kernel_names() -> Vec<String> {
         if exact_kind(ty).is_some() {
             v.push(format!("mmve_{s}"));
             v.push(format!("mmve_{s}_l"));
+            v.push(format!("mmvd_{s}"));
+            if !matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+                v.push(format!("mmvd_{s}_2"));
+                v.push(format!("mmvd_{s}_c"));
+            }
         }
     }
     for e in ATTN_E {
@@ -467,6 +472,23 @@ pub fn mmv_split(n_cols: usize) -> usize {
     split_for(s, n_cols)
 }
 
+/// Rows of more blocks of 32 than this take the long-row direct kernels (`mmvd_*_c`).
+const MMVD_LONG_BLOCKS: usize = 64;
+/// Blocks of 32 per round of a long-row direct kernel (its shared memory, 144 * (cap + 4) +
+/// 32 * cap bytes, under 48 KiB).
+const MMVD_CAP: usize = 256;
+
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
+
+/// Exact products of one to three tokens by the direct kernels (`mmvd_*`: eight threads
+/// per row, no staging), unless `RUSTORCH_CUDA_DIRECT=0` (the staged `mmve_*` kernels).
+pub fn exact_direct() -> bool {
+    static D: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_DIRECT").map_or(true, |v| v != "0"))
+}
+
 /// Threads of an `attn_exact` block (`RUSTORCH_CUDA_AE_THREADS`, a multiple of 32 from 288 to
 /// 1024: the head's dimensions and one more warp must fit).
 pub fn exact_attn_threads() -> usize {
@@ -714,6 +736,40 @@ impl CudaDevice {
                 job.out[m] = outs[i + m].ptr();
             }
             if n_tok == 1 && probe_skip(&ws[i..k], glu) {
+                i = k;
+                continue;
+            }
+            let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
+            if n_tok < 4 && exact_direct() && (!kq || env_flag("RUSTORCH_CUDA_DIRECTK")) {
+                // eight threads per row, four rows (glu: two gate/up pairs) per warp
+                let rows: usize = if glu {
+                    2 * ws[i].n_rows
+                } else {
+                    ws[i..k].iter().map(|w| w.n_rows).sum()
+                };
+                let nb = n_cols / 32;
+                if !kq && nb > MMVD_LONG_BLOCKS && !env_flag("RUSTORCH_CUDA_NOLONG") {
+                    // a block of four warps per four rows (see mmvd_long_kernel)
+                    let cap = nb.next_multiple_of(8).min(MMVD_CAP);
+                    let smem = 144 * (cap + 4) + 32 * cap;
+                    let capi = cap as i32;
+                    self.launch_smem(
+                        &format!("mmvd_{st}_c"),
+                        (blocks(rows, 4), n_tok as u32, 1),
+                        128,
+                        smem as u32,
+                        &[&job, &aq, &ads, &nc, &capi],
+                    )?;
+                    i = k;
+                    continue;
+                }
+                let nb2 = !kq && env_flag("RUSTORCH_CUDA_RNB2");
+                self.launch(
+                    &format!("mmvd_{st}{}", if nb2 { "_2" } else { "" }),
+                    (blocks(rows, 16), n_tok as u32, 1),
+                    128,
+                    &[&job, &aq, &ads, &nc, &mode],
+                )?;
                 i = k;
                 continue;
             }
