@@ -521,21 +521,15 @@ extern "C" __global__ void rope_table(const u32 *__restrict__ pos, const float *
 }
 
 // ---------------------------------------------------------------------------------------
-// Direct products for one to three tokens (`mmvd_*`): the same float steps as mmve_* without
-// staging. Eight threads per row, thread l holding accumulator lane l (legacy formats and
-// Q6_K: values 4l..4l+3 of every 32; Q4_K: sub-block l of every super-block), four rows per
-// warp (with glu: gate and up of two rows). Each thread reads only its own bytes of each block,
-// walks the blocks in order, and keeps its chain in a register: no shared memory and every
-// lane busy. The weights of the first batch are loaded before the PDL wait. Grid
-// (ceil(rows / 16), n_tok), 128 threads.
-
-// super-blocks per batch of the Q4_K and Q6_K direct kernels (RUSTORCH_CUDA_DEFS may set them)
-#ifndef MMVD_K4
-#define MMVD_K4 2
-#endif
-#ifndef MMVD_K6
-#define MMVD_K6 2
-#endif
+// Products for one to three tokens (`mmvd_*`): the same float steps as mmve_*, with every
+// lane of a chain-walking warp busy. Four rows per group (with glu: gate and up of two rows),
+// each row's eight accumulator chains walked by eight threads (r, l) = lane 8r + l of one
+// warp; the integer sums they walk are staged lane-major in shared memory, so a thread
+// reads four of its chain's sums per 16-byte load. Two layouts: `mmvd_*` (legacy formats,
+// rows of at most RUSTORCH_CUDA_COOP_MIN groups of 32) a warp per group of rows, decoding
+// 32 blocks per pass; `mmvd_*_c` (longer rows, and Q4_K / Q6_K) a block of four warps per
+// group, all decoding a whole row's groups in one round, then warp 0 walking the chains.
+// Weights are prefetched into L2 before the PDL wait.
 
 // Row rr (0..3) of this warp: its matrix m and row wi; false past the last row.
 __device__ __forceinline__ bool mmvd_row_of(const MmvJob &j, int rr, int &m, int &wi,
@@ -565,48 +559,44 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
     if (has && lead) job_out(j, m)[t * job_rows(j, m) + wi] = v;
 }
 
-// Legacy formats, staged by lanes and walked by rows: each pass every lane decodes block
-// b0 + 32k + lane (k < NB) of all four rows against one load of its activations and stores
-// the eight integer lane sums of each (lane-major: sums of lane l of row r consecutive) and
-// d_w * d_a; then thread (r, l) walks its 32 * NB sums in block order, four per 16-byte
-// shared load. The weights of the whole warp are prefetched into L2 before the PDL wait.
-template <bool MIN, int NB>
+// Legacy formats, four rows per warp, staged by lanes and walked by rows: each pass of 32
+// blocks every lane decodes block b0 + lane of all four rows against one load of its
+// activations and stores the eight integer lane sums of each (lane-major: the sums of lane
+// l of row r consecutive) and d_w * d_a; then thread (r, l) walks its 32 sums in block
+// order, four per 16-byte shared load (every lane walks a chain).
+template <bool MIN>
 struct __align__(16) R4Smem {
-    int si[4][8][32 * NB + 4];
-    float d[4][32 * NB + 4];
-    float2 m[MIN ? 4 : 1][MIN ? 32 * NB : 1];
+    int si[4][8][32 + 4];
+    float d[4][32 + 4];
+    float2 m[MIN ? 4 : 1][MIN ? 32 : 1];
 };
 
-template <class F, bool MIN, int NB>
+template <class F, bool MIN>
 __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 *__restrict__ a,
                                              const float2 *__restrict__ ad, int nb,
-                                             R4Smem<MIN, NB> &st) {
+                                             R4Smem<MIN> &st) {
     const int lane = threadIdx.x & 31, r = lane >> 3, l = lane & 7;
-    const int H = 32 * NB;
     float acc = 0.0f, summs = 0.0f;
-    for (int b0 = 0; b0 < nb; b0 += H) {
+    for (int b0 = 0; b0 < nb; b0 += 32) {
+        const int b = b0 + lane;
+        if (b < nb) {
+            const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
+            const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
+            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float2 ds = ad[b];
 #pragma unroll
-        for (int k = 0; k < NB; k++) {
-            const int jb = 32 * k + lane, b = b0 + jb;
-            if (b < nb) {
-                const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
-                const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
-                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const float2 ds = ad[b];
+            for (int rr = 0; rr < 4; rr++) {
+                Group g;
+                F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g);
 #pragma unroll
-                for (int rr = 0; rr < 4; rr++) {
-                    Group g;
-                    F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g);
-#pragma unroll
-                    for (int q = 0; q < 8; q++)
-                        st.si[rr][q][jb] = dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
-                    st.d[rr][jb] = __fmul_rn(g.d0, ds.x);
-                    if (MIN) st.m[rr][jb] = make_float2(g.m0, ds.y);
-                }
+                for (int q = 0; q < 8; q++)
+                    st.si[rr][q][lane] = dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
+                st.d[rr][lane] = __fmul_rn(g.d0, ds.x);
+                if (MIN) st.m[rr][lane] = make_float2(g.m0, ds.y);
             }
         }
         __syncwarp();
-        const int n = min(H, nb - b0);
+        const int n = min(32, nb - b0);
         const int *sp = st.si[r][l];
         const float *dp = st.d[r];
         int jj = 0;
@@ -640,10 +630,10 @@ __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, con
     }
 }
 
-template <class F, bool MIN, int NB>
+template <class F, bool MIN>
 __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq,
                                                    const float2 *ads, int n_cols) {
-    __shared__ R4Smem<MIN, NB> smem[4];
+    __shared__ R4Smem<MIN> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
     mmvd_rows(j, (size_t)nb * F::BYTES, wp);
@@ -651,32 +641,130 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     int m, wi;
     const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);
     const size_t t = blockIdx.y;
-    const float v = mmvd_legacy<F, MIN, NB>(wp, aq + t * n_cols, ads + t * nb, nb,
+    const float v = mmvd_legacy<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb,
                                              smem[threadIdx.x >> 5]);
     mmvd_store(j, m, wi, has, v);
 }
 
-#define MMVD_LEGACY_NB(NAME, F, MIN, NB)                                                    \
+#define MMVD_LEGACY_R4(NAME, F, MIN)                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                       \
         NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int) {                  \
         PDL_ENTRY_INSIDE();                                                                 \
-        mmvd_legacy_kernel<F, MIN, NB>(j, aq, ads, n_cols);                                 \
+        mmvd_legacy_kernel<F, MIN>(j, aq, ads, n_cols);                                 \
     }
-// Long rows (the `_c` kernels): a block of 128 threads per four rows. Every thread decodes
-// blocks of all four rows (up to `cap` blocks per round, staged in dynamic shared memory as
-// above), then warp 0 walks the chains; so a long row's blocks are loaded by four warps at
-// once, in one round where they fit. Dynamic shared memory: mmvd_chunk_bytes(cap).
-template <class F, bool MIN>
-__device__ __forceinline__ void mmvd_long_kernel(const MmvJob &j, const i8 *__restrict__ aq,
-                                                 const float2 *__restrict__ ads, int n_cols,
+// Cooperative products (the `_c` kernels): a block of 128 threads per four rows. Every
+// thread decodes groups of 32 of two of the rows (up to `cap` groups per row and round),
+// staging their integer lane sums lane-major in dynamic shared memory as above, with each
+// step's float factors; then warp 0 walks the chains. So a row's groups are loaded by four
+// warps at once, in one round where they fit. A policy P stages group gi of a row:
+//   LANES  integer sums per group (8: the legacy formats' and Q6_K's accumulator lanes; 2:
+//          Q4_K's scale and minimum sums), GPB groups per chain step (1, or 8 for a
+//          super-block), DL float factors per step (2 for Q4_K: d and dmin times d_a);
+//   stage(row, gi, a, sc, v, d, m): v the sums, d the step's factors (when gi % GPB == 0),
+//          m the legacy minimum term's two factors.
+// A step is acc = fma(d, f32(sum of the step's GPB sums), acc) per chain.
+struct CoopLegacyBase {
+    enum { GPB = 1, DL = 1 };
+};
+
+template <class F, bool MIN_>
+struct CoopLegacy : CoopLegacyBase {
+    enum { LANES = 8, MIN = MIN_ };
+    static __device__ __forceinline__ size_t row_bytes(int n_cols) {
+        return (size_t)(n_cols >> 5) * F::BYTES;
+    }
+    static __device__ __forceinline__ void stage(const u8 *w, int gi, const i8 *a,
+                                                 const void *sc, int (&v)[8], float (&d)[2],
+                                                 float2 &m) {
+        const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+        const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+        const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const float2 ds = ((const float2 *)sc)[gi];
+        Group g;
+        F::decode(w + (size_t)gi * F::BYTES, 0, g);
+#pragma unroll
+        for (int q = 0; q < 8; q++) v[q] = dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
+        d[0] = __fmul_rn(g.d0, ds.x);
+        m = make_float2(g.m0, ds.y);
+    }
+};
+
+// Q6_K as mmve_q6k_row without `tiled`: lane k's sum of group g is sc * dot of values
+// 4k..4k+3, less 32 * (the group's sc-weighted activation sum) in lane k = g.
+struct CoopQ6K {
+    enum { LANES = 8, GPB = 8, DL = 1, MIN = 0 };
+    static __device__ __forceinline__ size_t row_bytes(int n_cols) {
+        return (size_t)(n_cols >> 8) * 210;
+    }
+    static __device__ __forceinline__ void stage(const u8 *w, int gi, const i8 *a,
+                                                 const void *sc, int (&v)[8], float (&d)[2],
+                                                 float2 &) {
+        const u8 *blk = w + (size_t)(gi >> 3) * 210;
+        const int g = gi & 7;
+        Group q;
+        FQ6_K::decode(blk, g, q);
+        const i8 *s = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
+        const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+        const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+        const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        int corr = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) corr += (int)s[k >> 2] * dp4a(0x01010101, av[k], 0);
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            v[k] = (int)s[k >> 2] * dp4a(q.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+        if (g == 0) d[0] = __fmul_rn(((const float *)sc)[gi >> 3], h2f(ld_u16(blk + 208)));
+    }
+};
+
+// Q4_K as mmve_q4k_rows without gemm: sums sc * dot and m * (activation sum) per group;
+// per super-block acc = fma(f32(isum), d_w * d_a, acc) and accm likewise with dmin; the
+// value acc - accm.
+struct CoopQ4K {
+    enum { LANES = 2, GPB = 8, DL = 2, MIN = 0 };
+    static __device__ __forceinline__ size_t row_bytes(int n_cols) {
+        return (size_t)(n_cols >> 8) * 144;
+    }
+    static __device__ __forceinline__ void stage(const u8 *w, int gi, const i8 *a,
+                                                 const void *sc, int (&v)[8], float (&d)[2],
+                                                 float2 &) {
+        const u8 *blk = w + (size_t)(gi >> 3) * 144;
+        const int g = gi & 7;
+        Group q;
+        FQ4_K::decode(blk, g, q);
+        int s, mn;
+        scale_min_k4(blk + 4, g, s, mn);
+        const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+        const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+        const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        int dot = 0, bs = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            dot = dp4a(q.v[k], av[k], dot);
+            bs = dp4a(0x01010101, av[k], bs);
+        }
+        v[0] = s * dot;
+        v[1] = mn * bs;
+        if (g == 0) {
+            const float da = ((const float *)sc)[gi >> 3];
+            d[0] = __fmul_rn(h2f(ld_u16(blk)), da);
+            d[1] = __fmul_rn(h2f(ld_u16(blk + 2)), da);
+        }
+    }
+};
+
+template <class P>
+__device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__restrict__ aq,
+                                                 const void *__restrict__ scales, int n_cols,
                                                  int cap) {
     extern __shared__ int4 dyn[];
-    const int C = cap + 4;
-    int *si = (int *)dyn;              // [4][8][C]
-    float *dd = (float *)(si + 32 * C);  // [4][C]
-    float2 *mm = (float2 *)(dd + 4 * C); // [4][cap]
-    const int nb = n_cols >> 5, tid = threadIdx.x;
-    const size_t rb = (size_t)nb * F::BYTES;
+    constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
+    const int C = cap + 4, CS = cap / GPB + 4;
+    int *si = (int *)dyn;                      // [4][L][C]
+    float *dd = (float *)(si + 4 * L * C);     // [4][DL][CS]
+    float2 *mm = (float2 *)(dd + 4 * DL * CS); // [4][cap] (P::MIN)
+    const int ng = n_cols >> 5, tid = threadIdx.x;
+    const size_t rb = P::row_bytes(n_cols);
     const u8 *wp[4];
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
@@ -690,64 +778,80 @@ __device__ __forceinline__ void mmvd_long_kernel(const MmvJob &j, const i8 *__re
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const i8 *a = aq + t * n_cols;
-    const float2 *ad = ads + t * nb;
+    const void *sc = P::DL == 2 || GPB == 8 ? (const void *)((const float *)scales + t * (ng >> 3))
+                                            : (const void *)((const float2 *)scales + t * ng);
     const int lane = tid & 31, r = lane >> 3, l = lane & 7;
     float acc = 0.0f, summs = 0.0f;
-    for (int b0 = 0; b0 < nb; b0 += cap) {
-        const int n = min(cap, nb - b0);
-        for (int jb = tid; jb < n; jb += 128) {
-            const int b = b0 + jb;
-            const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
-            const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
-            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float2 ds = ad[b];
+    for (int g0 = 0; g0 < ng; g0 += cap) {
+        const int n = min(cap, ng - g0);
+        // items: (pair of rows, group), the group fastest
+        for (int it = tid; it < 2 * n; it += 128) {
+            const int half = it >= n, jb = it - half * n;
 #pragma unroll
-            for (int rr = 0; rr < 4; rr++) {
-                Group g;
-                F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g);
+            for (int k = 0; k < 2; k++) {
+                const int rr = 2 * half + k;
+                int v[8];
+                float d[2];
+                float2 mv;
+                P::stage(rr == 0 ? wp[0] : rr == 1 ? wp[1] : rr == 2 ? wp[2] : wp[3], g0 + jb, a,
+                         sc, v, d, mv);
 #pragma unroll
-                for (int q = 0; q < 8; q++)
-                    si[(rr * 8 + q) * C + jb] =
-                        dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
-                dd[rr * C + jb] = __fmul_rn(g.d0, ds.x);
-                if (MIN) mm[rr * cap + jb] = make_float2(g.m0, ds.y);
+                for (int q = 0; q < L; q++) si[(rr * L + q) * C + jb] = v[q];
+                if (GPB == 1 || (jb & (GPB - 1)) == 0) {
+#pragma unroll
+                    for (int c = 0; c < DL; c++) dd[(rr * DL + c) * CS + jb / GPB] = d[c];
+                }
+                if (P::MIN) mm[rr * cap + jb] = mv;
             }
         }
         __syncthreads();
-        if (tid < 32) {
-            const int *sp = si + (r * 8 + l) * C;
-            const float *dp = dd + r * C;
-            int jj = 0;
-            for (; jj + 4 <= n; jj += 4) {
-                const int4 s4 = *(const int4 *)(sp + jj);
-                const float4 d4 = *(const float4 *)(dp + jj);
-                acc = __fmaf_rn(d4.x, __int2float_rn(s4.x), acc);
-                acc = __fmaf_rn(d4.y, __int2float_rn(s4.y), acc);
-                acc = __fmaf_rn(d4.z, __int2float_rn(s4.z), acc);
-                acc = __fmaf_rn(d4.w, __int2float_rn(s4.w), acc);
+        if (tid < 32 && l < L) {
+            const int *sp = si + (r * L + l) * C;
+            const float *dp = dd + (r * DL + (DL == 2 ? l : 0)) * CS;
+            if (GPB == 1) {
+                int jj = 0;
+                for (; jj + 4 <= n; jj += 4) {
+                    const int4 s4 = *(const int4 *)(sp + jj);
+                    const float4 d4 = *(const float4 *)(dp + jj);
+                    acc = __fmaf_rn(d4.x, __int2float_rn(s4.x), acc);
+                    acc = __fmaf_rn(d4.y, __int2float_rn(s4.y), acc);
+                    acc = __fmaf_rn(d4.z, __int2float_rn(s4.z), acc);
+                    acc = __fmaf_rn(d4.w, __int2float_rn(s4.w), acc);
+                }
+                for (; jj < n; jj++) acc = __fmaf_rn(dp[jj], __int2float_rn(sp[jj]), acc);
+                if (P::MIN && l == 0)
+                    for (jj = 0; jj < n; jj++)
+                        summs = __fmaf_rn(mm[r * cap + jj].x, mm[r * cap + jj].y, summs);
+            } else {
+                for (int st = 0; st < n / GPB; st++) {
+                    const int4 s0 = *(const int4 *)(sp + GPB * st);
+                    const int4 s1 = *(const int4 *)(sp + GPB * st + 4);
+                    const int v = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
+                    acc = __fmaf_rn(dp[st], __int2float_rn(v), acc);
+                }
             }
-            for (; jj < n; jj++) acc = __fmaf_rn(dp[jj], __int2float_rn(sp[jj]), acc);
-            if (MIN && l == 0)
-                for (jj = 0; jj < n; jj++)
-                    summs = __fmaf_rn(mm[r * cap + jj].x, mm[r * cap + jj].y, summs);
         }
         __syncthreads();
     }
     if (tid >= 32) return;
-    const float sum = hsum8_lanes(acc);
-    const float v = MIN ? __fadd_rn(sum, summs) : sum;
+    float v;
+    if (DL == 2) {
+        v = __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));
+    } else {
+        const float sum = hsum8_lanes(acc);
+        v = P::MIN ? __fadd_rn(sum, summs) : sum;
+    }
     int m, wi;
     const bool has = mmvd_row_of(j, r, m, wi, blockIdx.x);
     mmvd_store(j, m, wi, has, v);
 }
 
 #define MMVD_LEGACY(NAME, F, MIN)                                                             \
-    MMVD_LEGACY_NB(mmvd_##NAME, F, MIN, 1)                                                    \
-    MMVD_LEGACY_NB(mmvd_##NAME##_2, F, MIN, 2)                                                \
+    MMVD_LEGACY_R4(mmvd_##NAME, F, MIN)                                                       \
     extern "C" __global__ void __launch_bounds__(128)                                         \
         mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                   \
-        mmvd_long_kernel<F, MIN>(j, aq, ads, n_cols, cap);                                    \
+        mmvd_coop_kernel<CoopLegacy<F, MIN>>(j, aq, ads, n_cols, cap);                       \
     }
 MMVD_LEGACY(q4_0, FQ4_0, false)
 MMVD_LEGACY(q4_1, FQ4_1, true)
@@ -755,180 +859,11 @@ MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)
 MMVD_LEGACY(q8_0, FQ8_0, false)
 
-// Q4_K, thread l = sub-block l of each super-block: sc[l] * dot and m[l] * (sum of the
-// sub-block's activation codes), summed over the row's eight threads (integers: any order),
-// then both chains per super-block as mmve_q4k_rows without gemm: acc = fma(f32(isum),
-// d_w * d_a, acc), accm = fma(f32(imin), dmin_w * d_a, accm); the value acc - accm.
-struct K4Raw {
-    uint4 h, q0, q1;
-};
-
-__device__ __forceinline__ void q4k_load(const u8 *b, int l, K4Raw &r) {
-    r.h = *(const uint4 *)b;
-    const uint4 *q = (const uint4 *)(b + 16 + 32 * (l >> 1));
-    r.q0 = q[0];
-    r.q1 = q[1];
-}
-
-__device__ __forceinline__ float mmvd_q4k(const u8 *__restrict__ w, const i8 *__restrict__ a,
-                                          const float *__restrict__ dq, int nsb) {
-    const int l = threadIdx.x & 7;
-    a += 32 * l;
-    K4Raw cur[MMVD_K4], nxt[MMVD_K4];
-#pragma unroll
-    for (int u = 0; u < MMVD_K4; u++)
-        if (u < nsb) q4k_load(w + (size_t)u * 144, l, cur[u]);
-    PDL_ENTRY();
-    float acc = 0.0f, accm = 0.0f;
-    const int shift = 4 * (l & 1);
-    for (int s0 = 0; s0 < nsb; s0 += MMVD_K4) {
-        int4 a0[MMVD_K4], a1[MMVD_K4];
-        float da[MMVD_K4];
-#pragma unroll
-        for (int u = 0; u < MMVD_K4; u++) {
-            if (s0 + u < nsb) {
-                const int4 *ap = (const int4 *)(a + (size_t)(s0 + u) * 256);
-                a0[u] = ap[0];
-                a1[u] = ap[1];
-                da[u] = dq[s0 + u];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < MMVD_K4; u++)
-            if (s0 + MMVD_K4 + u < nsb) q4k_load(w + (size_t)(s0 + MMVD_K4 + u) * 144, l, nxt[u]);
-#pragma unroll
-        for (int u = 0; u < MMVD_K4; u++) {
-            if (s0 + u < nsb) {
-                const K4Raw &r = cur[u];
-                const u32 qw[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
-                const int av[8] = {a0[u].x, a0[u].y, a0[u].z, a0[u].w,
-                                   a1[u].x, a1[u].y, a1[u].z, a1[u].w};
-                int dot = 0, bs = 0;
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    dot = dp4a(((int)qw[k] >> shift) & 0x0F0F0F0F, av[k], dot);
-                    bs = dp4a(0x01010101, av[k], bs);
-                }
-                int sc, mn;
-                if (l < 4) {
-                    sc = (int)byte_of3(r.h.y, r.h.z, r.h.w, l) & 63;
-                    mn = (int)byte_of3(r.h.y, r.h.z, r.h.w, l + 4) & 63;
-                } else {
-                    sc = (int)((byte_of3(r.h.y, r.h.z, r.h.w, l + 4) & 15) |
-                               ((byte_of3(r.h.y, r.h.z, r.h.w, l - 4) >> 6) << 4));
-                    mn = (int)((byte_of3(r.h.y, r.h.z, r.h.w, l + 4) >> 4) |
-                               ((byte_of3(r.h.y, r.h.z, r.h.w, l) >> 6) << 4));
-                }
-                int is = sc * dot, im = mn * bs;
-#pragma unroll
-                for (int o = 1; o < 8; o <<= 1) {
-                    is += __shfl_xor_sync(FULL_MASK, is, o);
-                    im += __shfl_xor_sync(FULL_MASK, im, o);
-                }
-                const float dw = h2f((u16)(r.h.x & 0xFFFF)), dmin = h2f((u16)(r.h.x >> 16));
-                acc = __fmaf_rn(__int2float_rn(is), __fmul_rn(dw, da[u]), acc);
-                accm = __fmaf_rn(__int2float_rn(im), __fmul_rn(dmin, da[u]), accm);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < MMVD_K4; u++) cur[u] = nxt[u];
-    }
-    return __fsub_rn(acc, accm);
-}
-
-// Q6_K, thread l = values 4l..4l+3 of each of a super-block's eight groups of 32: lane sum
-// sum_g sc * dot(q unsigned, a) - 32 * (sc[2l] * B[2l] + sc[2l+1] * B[2l+1]) (B: a 16-value
-// sub-block's activation code sum), then acc = fma(d_a * d_w, f32(sum), acc) per super-block
-// and hsum_float_8, as mmve_q6k_row without `tiled`.
-struct K6Raw {
-    int ql[4], qh[2], sc[4];
-    u16 d;
-};
-
-__device__ __forceinline__ void q6k_load(const u8 *b, int l, K6Raw &r) {
-#pragma unroll
-    for (int k = 0; k < 4; k++) r.ql[k] = ld_i32_a2(b + 32 * k + 4 * l);
-#pragma unroll
-    for (int k = 0; k < 2; k++) r.qh[k] = ld_i32_a2(b + 128 + 32 * k + 4 * l);
-    ld_ints_a2<4>(b + 192, r.sc);
-    r.d = ld_u16(b + 208);
-}
-
-__device__ __forceinline__ float mmvd_q6k(const u8 *__restrict__ w, const i8 *__restrict__ a,
-                                          const float *__restrict__ dq, int nsb) {
-    const int l = threadIdx.x & 7;
-    K6Raw cur[MMVD_K6], nxt[MMVD_K6];
-#pragma unroll
-    for (int u = 0; u < MMVD_K6; u++)
-        if (u < nsb) q6k_load(w + (size_t)u * 210, l, cur[u]);
-    PDL_ENTRY();
-    float acc = 0.0f;
-    for (int s0 = 0; s0 < nsb; s0 += MMVD_K6) {
-        int av[MMVD_K6][8];
-        int4 c0[MMVD_K6], c1[MMVD_K6];
-        float da[MMVD_K6];
-#pragma unroll
-        for (int u = 0; u < MMVD_K6; u++) {
-            if (s0 + u < nsb) {
-                const i8 *ab = a + (size_t)(s0 + u) * 256;
-#pragma unroll
-                for (int g = 0; g < 8; g++) av[u][g] = *(const int *)(ab + 32 * g + 4 * l);
-                c0[u] = ((const int4 *)(ab + 32 * l))[0];
-                c1[u] = ((const int4 *)(ab + 32 * l))[1];
-                da[u] = dq[s0 + u];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < MMVD_K6; u++)
-            if (s0 + MMVD_K6 + u < nsb) q6k_load(w + (size_t)(s0 + MMVD_K6 + u) * 210, l, nxt[u]);
-#pragma unroll
-        for (int u = 0; u < MMVD_K6; u++) {
-            if (s0 + u < nsb) {
-                const K6Raw &r = cur[u];
-                // scale of sub-block s (16 values): signed byte s of the 16 (by shifts: an
-                // indexed byte array would live in local memory)
-                const int hl = l >> 2;
-                int s = 0;
-#pragma unroll
-                for (int g = 0; g < 8; g++) {
-                    const int n = g >> 2, qq = g & 3;
-                    const int lo = (r.ql[2 * n + (qq & 1)] >> (4 * (qq >> 1))) & 0x0F0F0F0F;
-                    const int hi = ((r.qh[n] >> (2 * qq)) & 0x03030303) << 4;
-                    const int sc = (int)(i8)(r.sc[g >> 1] >> (8 * (2 * (g & 1) + hl)));
-                    s += sc * dp4a(lo | hi, av[u][g], 0);
-                }
-                const int b0 = dp4a(0x01010101, c0[u].x,
-                                    dp4a(0x01010101, c0[u].y,
-                                         dp4a(0x01010101, c0[u].z, dp4a(0x01010101, c0[u].w, 0))));
-                const int b1 = dp4a(0x01010101, c1[u].x,
-                                    dp4a(0x01010101, c1[u].y,
-                                         dp4a(0x01010101, c1[u].z, dp4a(0x01010101, c1[u].w, 0))));
-                const int wl = l >> 1;
-                const int scw = wl == 0 ? r.sc[0] : wl == 1 ? r.sc[1] : wl == 2 ? r.sc[2] : r.sc[3];
-                const int sh = 16 * (l & 1);
-                s -= 32 * ((int)(i8)(scw >> sh) * b0 + (int)(i8)(scw >> (sh + 8)) * b1);
-                acc = __fmaf_rn(__fmul_rn(da[u], h2f(r.d)), __int2float_rn(s), acc);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < MMVD_K6; u++) cur[u] = nxt[u];
-    }
-    return hsum8_lanes(acc);
-}
-
-#define MMVD_K(NAME, FN, BYTES)                                                              \
+#define MMVD_COOP(NAME, P)                                                                   \
     extern "C" __global__ void __launch_bounds__(128)                                       \
-        mmvd_##NAME(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {             \
+        mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                 \
-        const int nsb = n_cols >> 8;                                                        \
-        const u8 *wp[4];                                                                    \
-        mmvd_rows(j, (size_t)nsb * BYTES, wp);                                              \
-        int m, wi;                                                                          \
-        const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);                    \
-        const size_t t = blockIdx.y;                                                        \
-        const int r = (threadIdx.x & 31) >> 3;                                              \
-        const float v = FN(r == 0 ? wp[0] : r == 1 ? wp[1] : r == 2 ? wp[2] : wp[3], aq + t * n_cols, dq + t * nsb, nsb); \
-        mmvd_store(j, m, wi, has, v);                                                       \
+        mmvd_coop_kernel<P>(j, aq, dq, n_cols, cap);                                        \
     }
-MMVD_K(q4_k, mmvd_q4k, 144)
-MMVD_K(q6_k, mmvd_q6k, 210)
+MMVD_COOP(q4_k, CoopQ4K)
+MMVD_COOP(q6_k, CoopQ6K)

@@ -176,10 +176,9 @@ pub fn kernel_names() -> Vec<String> {
         if exact_kind(ty).is_some() {
             v.push(format!("mmve_{s}"));
             v.push(format!("mmve_{s}_l"));
-            v.push(format!("mmvd_{s}"));
+            v.push(format!("mmvd_{s}_c"));
             if !matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
-                v.push(format!("mmvd_{s}_2"));
-                v.push(format!("mmvd_{s}_c"));
+                v.push(format!("mmvd_{s}"));
             }
         }
     }
@@ -472,14 +471,15 @@ pub fn mmv_split(n_cols: usize) -> usize {
     split_for(s, n_cols)
 }
 
-/// Rows of more blocks of 32 than this take the long-row direct kernels (`mmvd_*_c`).
-const MMVD_LONG_BLOCKS: usize = 64;
-/// Blocks of 32 per round of a long-row direct kernel (its shared memory, 144 * (cap + 4) +
-/// 32 * cap bytes, under 48 KiB).
+/// Groups of 32 per row and round of a cooperative exact product (`mmvd_*_c`; its shared
+/// memory, at most 144 * (cap + 4) + 32 * cap bytes, under 48 KiB).
 const MMVD_CAP: usize = 256;
 
-fn env_flag(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v == "1")
+/// Legacy-format rows of more groups of 32 than this take the cooperative exact kernels
+/// (`mmvd_*_c`), the others four rows per warp: `RUSTORCH_CUDA_COOP_MIN`, default 64.
+fn exact_coop_min() -> usize {
+    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *M.get_or_init(|| env_usize("RUSTORCH_CUDA_COOP_MIN", |_| true, 64))
 }
 
 /// Exact products of one to three tokens by the direct kernels (`mmvd_*`: eight threads
@@ -740,18 +740,26 @@ impl CudaDevice {
                 continue;
             }
             let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
-            if n_tok < 4 && exact_direct() && (!kq || env_flag("RUSTORCH_CUDA_DIRECTK")) {
-                // eight threads per row, four rows (glu: two gate/up pairs) per warp
+            if n_tok < 4 && exact_direct() {
                 let rows: usize = if glu {
                     2 * ws[i].n_rows
                 } else {
                     ws[i..k].iter().map(|w| w.n_rows).sum()
                 };
-                let nb = n_cols / 32;
-                if !kq && nb > MMVD_LONG_BLOCKS && !env_flag("RUSTORCH_CUDA_NOLONG") {
-                    // a block of four warps per four rows (see mmvd_long_kernel)
-                    let cap = nb.next_multiple_of(8).min(MMVD_CAP);
-                    let smem = 144 * (cap + 4) + 32 * cap;
+                let ng = n_cols / 32;
+                let coop = kq || ng > exact_coop_min();
+                if coop {
+                    // a block of four warps per four rows (mmvd_coop_kernel)
+                    let cap = ng.next_multiple_of(8).min(MMVD_CAP);
+                    let (lanes, dl, gpb) = match ty {
+                        GgmlType::Q4_K => (2, 2, 8),
+                        GgmlType::Q6_K => (8, 1, 8),
+                        _ => (8, 1, 1),
+                    };
+                    let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                    let smem = 16 * lanes * (cap + 4)
+                        + 16 * dl * (cap / gpb + 4)
+                        + if min { 32 * cap } else { 0 };
                     let capi = cap as i32;
                     self.launch_smem(
                         &format!("mmvd_{st}_c"),
@@ -763,9 +771,9 @@ impl CudaDevice {
                     i = k;
                     continue;
                 }
-                let nb2 = !kq && env_flag("RUSTORCH_CUDA_RNB2");
+                // eight threads per row, four rows (glu: two gate/up pairs) per warp
                 self.launch(
-                    &format!("mmvd_{st}{}", if nb2 { "_2" } else { "" }),
+                    &format!("mmvd_{st}"),
                     (blocks(rows, 16), n_tok as u32, 1),
                     128,
                     &[&job, &aq, &ads, &nc, &mode],
