@@ -6,7 +6,8 @@
 //
 //   - expf_glibc: glibc's expf (FMA build), as f32::exp on the host (vexp.rs).
 //   - expf_ggml:  ggml's vectorised expf (gexp.rs), for SiLU.
-//   - mmve_*:     products as dot::dot_legacy / dot::dot_q6_k: per block of 32 (legacy) or
+//   - mmve_*, mmvd_*: products (prompts; one to three tokens) as dot::dot_legacy /
+//                 dot::dot_q6_k / the repacked Q4_K: per block of 32 (legacy) or
 //                 256 (Q6_K) eight exact integer lane sums (lane l: values 4l..4l+3 of each
 //                 32), fused-multiply-added into eight f32 accumulators in block order with
 //                 the block's scale d_w * d_a, then ggml's hsum_float_8 (+ the Q4_1/Q5_1
@@ -531,7 +532,8 @@ extern "C" __global__ void rope_table(const u32 *__restrict__ pos, const float *
 // group, all decoding a whole row's groups in one round, then warp 0 walking the chains.
 // Weights are prefetched into L2 before the PDL wait.
 
-// Row rr (0..3) of this warp: its matrix m and row wi; false past the last row.
+// Row rr (0..3) of group gw (default: this warp's; the cooperative kernels pass their block's):
+// its matrix m and row wi; false past the last row.
 __device__ __forceinline__ bool mmvd_row_of(const MmvJob &j, int rr, int &m, int &wi,
                                             int gw = -1) {
     if (gw < 0) gw = blockIdx.x * 4 + (threadIdx.x >> 5);
@@ -557,6 +559,32 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
         return;
     }
     if (has && lead) job_out(j, m)[t * job_rows(j, m) + wi] = v;
+}
+
+// One thread's walk of n staged sums sp (lane-major, 16-byte aligned) with their factors dp:
+// acc = fma(dp[j], f32(sp[j]), acc) in order, four per load; with MIN and `mins`, the
+// minimum term's chain summs = fma(m.x, m.y, summs) in the same loop (the two chains are
+// independent, so their latencies overlap).
+template <bool MIN>
+__device__ __forceinline__ void chain_walk(const int *sp, const float *dp, const float2 *mm, int n,
+                                           bool mins, float &acc, float &summs) {
+    int jj = 0;
+    for (; jj + 4 <= n; jj += 4) {
+        const int4 s4 = *(const int4 *)(sp + jj);
+        const float4 d4 = *(const float4 *)(dp + jj);
+        acc = __fmaf_rn(d4.x, __int2float_rn(s4.x), acc);
+        acc = __fmaf_rn(d4.y, __int2float_rn(s4.y), acc);
+        acc = __fmaf_rn(d4.z, __int2float_rn(s4.z), acc);
+        acc = __fmaf_rn(d4.w, __int2float_rn(s4.w), acc);
+        if (MIN && mins) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) summs = __fmaf_rn(mm[jj + q].x, mm[jj + q].y, summs);
+        }
+    }
+    for (; jj < n; jj++) {
+        acc = __fmaf_rn(dp[jj], __int2float_rn(sp[jj]), acc);
+        if (MIN && mins) summs = __fmaf_rn(mm[jj].x, mm[jj].y, summs);
+    }
 }
 
 // Legacy formats, four rows per warp, staged by lanes and walked by rows: each pass of 32
@@ -599,18 +627,7 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
         const int n = min(32, nb - b0);
         const int *sp = st.si[r][l];
         const float *dp = st.d[r];
-        int jj = 0;
-        for (; jj + 4 <= n; jj += 4) {
-            const int4 s4 = *(const int4 *)(sp + jj);
-            const float4 d4 = *(const float4 *)(dp + jj);
-            acc = __fmaf_rn(d4.x, __int2float_rn(s4.x), acc);
-            acc = __fmaf_rn(d4.y, __int2float_rn(s4.y), acc);
-            acc = __fmaf_rn(d4.z, __int2float_rn(s4.z), acc);
-            acc = __fmaf_rn(d4.w, __int2float_rn(s4.w), acc);
-        }
-        for (; jj < n; jj++) acc = __fmaf_rn(dp[jj], __int2float_rn(sp[jj]), acc);
-        if (MIN && l == 0)
-            for (jj = 0; jj < n; jj++) summs = __fmaf_rn(st.m[r][jj].x, st.m[r][jj].y, summs);
+        chain_walk<MIN>(sp, dp, st.m[MIN ? r : 0], n, l == 0, acc, summs);
         __syncwarp();
     }
     const float sum = hsum8_lanes(acc);
@@ -663,13 +680,9 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
 //   stage(row, gi, a, sc, v, d, m): v the sums, d the step's factors (when gi % GPB == 0),
 //          m the legacy minimum term's two factors.
 // A step is acc = fma(d, f32(sum of the step's GPB sums), acc) per chain.
-struct CoopLegacyBase {
-    enum { GPB = 1, DL = 1 };
-};
-
 template <class F, bool MIN_>
-struct CoopLegacy : CoopLegacyBase {
-    enum { LANES = 8, MIN = MIN_ };
+struct CoopLegacy {
+    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_ };
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 5) * F::BYTES;
     }
@@ -763,6 +776,8 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     int *si = (int *)dyn;                      // [4][L][C]
     float *dd = (float *)(si + 4 * L * C);     // [4][DL][CS]
     float2 *mm = (float2 *)(dd + 4 * DL * CS); // [4][cap] (P::MIN)
+    // (cap: a multiple of 8, so every 16-byte shared load is aligned and a round holds
+    // whole super-blocks)
     const int ng = n_cols >> 5, tid = threadIdx.x;
     const size_t rb = P::row_bytes(n_cols);
     const u8 *wp[4];
@@ -778,8 +793,8 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const i8 *a = aq + t * n_cols;
-    const void *sc = P::DL == 2 || GPB == 8 ? (const void *)((const float *)scales + t * (ng >> 3))
-                                            : (const void *)((const float2 *)scales + t * ng);
+    const void *sc = GPB == 8 ? (const void *)((const float *)scales + t * (ng >> 3))
+                              : (const void *)((const float2 *)scales + t * ng);
     const int lane = tid & 31, r = lane >> 3, l = lane & 7;
     float acc = 0.0f, summs = 0.0f;
     for (int g0 = 0; g0 < ng; g0 += cap) {
@@ -808,20 +823,8 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
         if (tid < 32 && l < L) {
             const int *sp = si + (r * L + l) * C;
             const float *dp = dd + (r * DL + (DL == 2 ? l : 0)) * CS;
-            if (GPB == 1) {
-                int jj = 0;
-                for (; jj + 4 <= n; jj += 4) {
-                    const int4 s4 = *(const int4 *)(sp + jj);
-                    const float4 d4 = *(const float4 *)(dp + jj);
-                    acc = __fmaf_rn(d4.x, __int2float_rn(s4.x), acc);
-                    acc = __fmaf_rn(d4.y, __int2float_rn(s4.y), acc);
-                    acc = __fmaf_rn(d4.z, __int2float_rn(s4.z), acc);
-                    acc = __fmaf_rn(d4.w, __int2float_rn(s4.w), acc);
-                }
-                for (; jj < n; jj++) acc = __fmaf_rn(dp[jj], __int2float_rn(sp[jj]), acc);
-                if (P::MIN && l == 0)
-                    for (jj = 0; jj < n; jj++)
-                        summs = __fmaf_rn(mm[r * cap + jj].x, mm[r * cap + jj].y, summs);
+            if constexpr (GPB == 1) {
+                chain_walk<P::MIN>(sp, dp, mm + r * cap, n, l == 0, acc, summs);
             } else {
                 for (int st = 0; st < n / GPB; st++) {
                     const int4 s0 = *(const int4 *)(sp + GPB * st);
@@ -851,7 +854,7 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     extern "C" __global__ void __launch_bounds__(128)                                         \
         mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                   \
-        mmvd_coop_kernel<CoopLegacy<F, MIN>>(j, aq, ads, n_cols, cap);                       \
+        mmvd_coop_kernel<CoopLegacy<F, MIN>>(j, aq, ads, n_cols, cap);                        \
     }
 MMVD_LEGACY(q4_0, FQ4_0, false)
 MMVD_LEGACY(q4_1, FQ4_1, true)

@@ -474,6 +474,8 @@ pub fn mmv_split(n_cols: usize) -> usize {
 /// Groups of 32 per row and round of a cooperative exact product (`mmvd_*_c`; its shared
 /// memory, at most 144 * (cap + 4) + 32 * cap bytes, under 48 KiB).
 const MMVD_CAP: usize = 256;
+const _: () =
+    assert!(MMVD_CAP.is_multiple_of(8) && 144 * (MMVD_CAP + 4) + 32 * MMVD_CAP <= 48 * 1024);
 
 /// Legacy-format rows of more groups of 32 than this take the cooperative exact kernels
 /// (`mmvd_*_c`), the others four rows per warp: `RUSTORCH_CUDA_COOP_MIN`, default 64.
@@ -482,8 +484,9 @@ fn exact_coop_min() -> usize {
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_COOP_MIN", |_| true, 64))
 }
 
-/// Exact products of one to three tokens by the direct kernels (`mmvd_*`: eight threads
-/// per row, no staging), unless `RUSTORCH_CUDA_DIRECT=0` (the staged `mmve_*` kernels).
+/// Exact products of one to three tokens by the `mmvd_*` kernels (every lane of the
+/// chain-walking warps busy: kernels/exact.cu), unless `RUSTORCH_CUDA_DIRECT=0` (the
+/// prompts' `mmve_*`, a warp per row).
 pub fn exact_direct() -> bool {
     static D: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_DIRECT").map_or(true, |v| v != "0"))
@@ -663,8 +666,10 @@ impl CudaDevice {
 
     /// Products with the CPU's arithmetic ([`CudaDevice::set_exact`]): `x` quantized as the CPU
     /// quantizes it for each format (the legacy formats' Q8 blocks shared with the fused
-    /// norm's), then a warp per row and token (`mmve_*`), up to three matrices of one type
-    /// per launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
+    /// norm's), then `mmvd_*` for
+    /// one to three tokens (four rows per group of eight-thread chains) or a warp per row and
+    /// token (`mmve_*`), up to three matrices of one type per launch. With `glu` (`ws` = gate
+    /// and up, one output): `silu(gate) * up`.
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
@@ -1123,7 +1128,7 @@ impl CudaDevice {
         }
         if self.exact() {
             // SiLU with both matrices' exact products (GELU: the default steps)
-            return (!gelu && exact_ok(wg) && exact_ok(wu))
+            return (!gelu && wg.ty == wu.ty && exact_ok(wg) && exact_ok(wu))
                 .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
