@@ -142,6 +142,54 @@ __device__ __forceinline__ void mmve_glu_store(const MmvJob &j, int wi, float v)
         j.out[0][(size_t)blockIdx.y * j.rows[0] + wi] = swiglu_cpu(v, u, wi, j.rows[0]);
 }
 
+// The 32 activation codes of group gi as eight words.
+__device__ __forceinline__ void group_acts(const i8 *__restrict__ a, int gi, int (&av)[8]) {
+    const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
+    const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
+    av[0] = a0.x, av[1] = a0.y, av[2] = a0.z, av[3] = a0.w;
+    av[4] = a1.x, av[5] = a1.y, av[6] = a1.z, av[7] = a1.w;
+}
+
+// A decoded legacy group's eight exact lane sums (values 4l..4l+3) against codes av.
+__device__ __forceinline__ void legacy_lane_sums(const Group &g, const int (&av)[8], int (&v)[8]) {
+#pragma unroll
+    for (int q = 0; q < 8; q++) v[q] = dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
+}
+
+// Group g (0..7) of the Q6_K super-block blk against codes av: lane k's sum is sc * dot of
+// values 4k..4k+3 (q unsigned); ggml puts the -32 offset of sub-blocks 2l and 2l + 1 (this
+// group's halves when l = g) into lane l.
+__device__ __forceinline__ void q6k_group_sums(const u8 *blk, int g, const int (&av)[8],
+                                               int (&v)[8]) {
+    Group w;
+    FQ6_K::decode(blk, g, w);
+    const i8 *sc = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
+    int corr = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) corr += (int)sc[k >> 2] * dp4a(0x01010101, av[k], 0);
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        v[k] = (int)sc[k >> 2] * dp4a(w.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+}
+
+// Sub-block g (0..7) of the Q4_K super-block blk against codes av: sc * dot and
+// m * (the codes' sum).
+__device__ __forceinline__ void q4k_group_sums(const u8 *blk, int g, const int (&av)[8],
+                                               int &scdot, int &mnsum) {
+    Group w;
+    FQ4_K::decode(blk, g, w);
+    int sc, mn;
+    scale_min_k4(blk + 4, g, sc, mn);
+    int dot = 0, bs = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        dot = dp4a(w.v[k], av[k], dot);
+        bs = dp4a(0x01010101, av[k], bs);
+    }
+    scdot = sc * dot;
+    mnsum = mn * bs;
+}
+
 // Legacy formats (blocks of 32) against Q8_0 / Q8_1 activations quantized with the CPU's
 // rule (ads: per block d and s, each rounded to f16), R (1 or 2) rows of one warp against
 // the same activations (gate and up: a lane decodes block b of both rows against one load
@@ -171,18 +219,15 @@ __device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
         for (int i = 0; i < G / R; i++) {
             const int j = 32 * i + lane, b = b0 + j;
             if (b < nb) {
-                const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
-                const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
-                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                int av[8];
+                group_acts(a, b, av);
                 const float2 ds = ad[b];
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     Group g;
                     F::decode((r ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
                     int sv[8];
-#pragma unroll
-                    for (int k = 0; k < 8; k++)
-                        sv[k] = dp4a(g.v[k], av[k], g.z0 * dp4a(0x01010101, av[k], 0));
+                    legacy_lane_sums(g, av, sv);
                     const int sl = r * (H + 1) + j;
                     st.si[sl][0] = make_int4(sv[0], sv[1], sv[2], sv[3]);
                     st.si[sl][1] = make_int4(sv[4], sv[5], sv[6], sv[7]);
@@ -229,22 +274,9 @@ __device__ __forceinline__ float mmve_q6k_row(const u8 *__restrict__ wr, const i
         for (int i = 0; i < G; i++) {
             const int gl = 32 * i + lane, gi = g0 + gl;
             if (gi < ng) {
-                const u8 *blk = wr + (size_t)(gi >> 3) * 210;
-                const int g = gi & 7;
-                Group w;
-                FQ6_K::decode(blk, g, w);
-                const i8 *sc = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
-                const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-                const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                // ggml puts the -32 offset of sub-blocks 2l and 2l + 1 (this group's halves
-                // when l = g) into lane l
-                int corr = 0;
-#pragma unroll
-                for (int k = 0; k < 8; k++) corr += (int)sc[k >> 2] * dp4a(0x01010101, av[k], 0);
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    sh[gl][k] = (int)sc[k >> 2] * dp4a(w.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+                int av[8];
+                group_acts(a, gi, av);
+                q6k_group_sums(wr + (size_t)(gi >> 3) * 210, gi & 7, av, sh[gl]);
             }
         }
         __syncwarp();
@@ -296,23 +328,10 @@ __device__ __forceinline__ float mmve_q4k_rows(const u8 *__restrict__ w0,
         for (int i = 0; i < G; i++) {
             const int sl = 32 * i + lane, r = sl / H, gi = g0 + sl - r * H;
             if (gi < ng) {
-                const u8 *blk = (r ? w1 : w0) + (size_t)(gi >> 3) * 144;
-                const int g = gi & 7;
-                Group w;
-                FQ4_K::decode(blk, g, w);
-                int sc, mn;
-                scale_min_k4(blk + 4, g, sc, mn);
-                const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-                const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-                const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                int dot = 0, bs = 0;
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    dot = dp4a(w.v[k], av[k], dot);
-                    bs = dp4a(0x01010101, av[k], bs);
-                }
-                sh[sl][0] = sc * dot;
-                sh[sl][1] = mn * bs;
+                int av[8];
+                group_acts(a, gi, av);
+                q4k_group_sums((r ? w1 : w0) + (size_t)(gi >> 3) * 144, gi & 7, av, sh[sl][0],
+                               sh[sl][1]);
             }
         }
         __syncwarp();
@@ -608,17 +627,17 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
     for (int b0 = 0; b0 < nb; b0 += 32) {
         const int b = b0 + lane;
         if (b < nb) {
-            const int4 a0 = ((const int4 *)(a + (size_t)b * 32))[0];
-            const int4 a1 = ((const int4 *)(a + (size_t)b * 32))[1];
-            const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            int av[8];
+            group_acts(a, b, av);
             const float2 ds = ad[b];
 #pragma unroll
             for (int rr = 0; rr < 4; rr++) {
                 Group g;
                 F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g);
+                int v[8];
+                legacy_lane_sums(g, av, v);
 #pragma unroll
-                for (int q = 0; q < 8; q++)
-                    st.si[rr][q][lane] = dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
+                for (int q = 0; q < 8; q++) st.si[rr][q][lane] = v[q];
                 st.d[rr][lane] = __fmul_rn(g.d0, ds.x);
                 if (MIN) st.m[rr][lane] = make_float2(g.m0, ds.y);
             }
@@ -689,14 +708,12 @@ struct CoopLegacy {
     static __device__ __forceinline__ void stage(const u8 *w, int gi, const i8 *a,
                                                  const void *sc, int (&v)[8], float (&d)[2],
                                                  float2 &m) {
-        const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-        const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-        const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        int av[8];
+        group_acts(a, gi, av);
         const float2 ds = ((const float2 *)sc)[gi];
         Group g;
         F::decode(w + (size_t)gi * F::BYTES, 0, g);
-#pragma unroll
-        for (int q = 0; q < 8; q++) v[q] = dp4a(g.v[q], av[q], g.z0 * dp4a(0x01010101, av[q], 0));
+        legacy_lane_sums(g, av, v);
         d[0] = __fmul_rn(g.d0, ds.x);
         m = make_float2(g.m0, ds.y);
     }
@@ -714,18 +731,9 @@ struct CoopQ6K {
                                                  float2 &) {
         const u8 *blk = w + (size_t)(gi >> 3) * 210;
         const int g = gi & 7;
-        Group q;
-        FQ6_K::decode(blk, g, q);
-        const i8 *s = (const i8 *)(blk + 192 + 8 * (g >> 2) + 2 * (g & 3));
-        const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-        const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-        const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        int corr = 0;
-#pragma unroll
-        for (int k = 0; k < 8; k++) corr += (int)s[k >> 2] * dp4a(0x01010101, av[k], 0);
-#pragma unroll
-        for (int k = 0; k < 8; k++)
-            v[k] = (int)s[k >> 2] * dp4a(q.v[k], av[k], 0) - (k == g ? 32 * corr : 0);
+        int av[8];
+        group_acts(a, gi, av);
+        q6k_group_sums(blk, g, av, v);
         if (g == 0) d[0] = __fmul_rn(((const float *)sc)[gi >> 3], h2f(ld_u16(blk + 208)));
     }
 };
@@ -743,21 +751,9 @@ struct CoopQ4K {
                                                  float2 &) {
         const u8 *blk = w + (size_t)(gi >> 3) * 144;
         const int g = gi & 7;
-        Group q;
-        FQ4_K::decode(blk, g, q);
-        int s, mn;
-        scale_min_k4(blk + 4, g, s, mn);
-        const int4 a0 = ((const int4 *)(a + (size_t)gi * 32))[0];
-        const int4 a1 = ((const int4 *)(a + (size_t)gi * 32))[1];
-        const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        int dot = 0, bs = 0;
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            dot = dp4a(q.v[k], av[k], dot);
-            bs = dp4a(0x01010101, av[k], bs);
-        }
-        v[0] = s * dot;
-        v[1] = mn * bs;
+        int av[8];
+        group_acts(a, gi, av);
+        q4k_group_sums(blk, g, av, v[0], v[1]);
         if (g == 0) {
             const float da = ((const float *)sc)[gi >> 3];
             d[0] = __fmul_rn(h2f(ld_u16(blk)), da);
