@@ -653,16 +653,19 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
     return MIN ? __fadd_rn(sum, summs) : sum;
 }
 
-// Row rr's weights (row 0 of the first matrix, read and not stored, past the end), and the
-// L2 prefetch of the warp's rows.
-__device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, const u8 *(&wp)[4]) {
-    const int lane = threadIdx.x & 31;
+// The weights of rows rr = 0..3 of group gw (as mmvd_row_of; row 0 of the first matrix, read
+// and not stored, past the end), and their L2 prefetch by this warp: part `part` of `parts`
+// equal shares of each row (the cooperative kernels' four warps share their rows).
+__device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, const u8 *(&wp)[4],
+                                          int gw = -1, int part = 0, int parts = 1) {
+    const size_t q = (row_bytes + parts - 1) / parts, off = (size_t)part * q;
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         int m, wi;
-        const bool has = mmvd_row_of(j, rr, m, wi);
+        const bool has = mmvd_row_of(j, rr, m, wi, gw);
         wp[rr] = has ? job_w(j, m) + (size_t)wi * row_bytes : j.w[0];
-        if (has) pdl_prefetch(wp[rr], row_bytes, lane, 32);
+        if (has && off < row_bytes)
+            pdl_prefetch(wp[rr] + off, min(q, row_bytes - off), threadIdx.x & 31, 32);
     }
 }
 
@@ -678,16 +681,10 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);
     const size_t t = blockIdx.y;
     const float v = mmvd_legacy<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb,
-                                             smem[threadIdx.x >> 5]);
+                                        smem[threadIdx.x >> 5]);
     mmvd_store(j, m, wi, has, v);
 }
 
-#define MMVD_LEGACY_R4(NAME, F, MIN)                                                    \
-    extern "C" __global__ void __launch_bounds__(128)                                       \
-        NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int) {                  \
-        PDL_ENTRY_INSIDE();                                                                 \
-        mmvd_legacy_kernel<F, MIN>(j, aq, ads, n_cols);                                 \
-    }
 // Cooperative products (the `_c` kernels): a block of 128 threads per four rows. Every
 // thread decodes groups of 32 of two of the rows (up to `cap` groups per row and round),
 // staging their integer lane sums lane-major in dynamic shared memory as above, with each
@@ -777,15 +774,7 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     const int ng = n_cols >> 5, tid = threadIdx.x;
     const size_t rb = P::row_bytes(n_cols);
     const u8 *wp[4];
-#pragma unroll
-    for (int rr = 0; rr < 4; rr++) {
-        int m, wi;
-        const bool has = mmvd_row_of(j, rr, m, wi, blockIdx.x);
-        wp[rr] = has ? job_w(j, m) + (size_t)wi * rb : j.w[0];
-        // (each warp a quarter of the row)
-        const size_t q = (rb + 3) / 4, off = (size_t)(tid >> 5) * q;
-        if (has && off < rb) pdl_prefetch(wp[rr] + off, min(q, rb - off), tid & 31, 32);
-    }
+    mmvd_rows(j, rb, wp, blockIdx.x, tid >> 5, 4);
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const i8 *a = aq + t * n_cols;
@@ -846,7 +835,11 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
 }
 
 #define MMVD_LEGACY(NAME, F, MIN)                                                             \
-    MMVD_LEGACY_R4(mmvd_##NAME, F, MIN)                                                       \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        mmvd_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int) {             \
+        PDL_ENTRY_INSIDE();                                                                   \
+        mmvd_legacy_kernel<F, MIN>(j, aq, ads, n_cols);                                       \
+    }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                         \
         mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                   \

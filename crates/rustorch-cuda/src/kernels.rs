@@ -666,10 +666,9 @@ impl CudaDevice {
 
     /// Products with the CPU's arithmetic ([`CudaDevice::set_exact`]): `x` quantized as the CPU
     /// quantizes it for each format (the legacy formats' Q8 blocks shared with the fused
-    /// norm's), then `mmvd_*` for
-    /// one to three tokens (four rows per group of eight-thread chains) or a warp per row and
-    /// token (`mmve_*`), up to three matrices of one type per launch. With `glu` (`ws` = gate
-    /// and up, one output): `silu(gate) * up`.
+    /// norm's), then `mmvd_*` for one to three tokens (four rows per group of eight-thread
+    /// chains) or a warp per row and token (`mmve_*`), up to three matrices of one type per
+    /// launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
@@ -752,8 +751,7 @@ impl CudaDevice {
                     ws[i..k].iter().map(|w| w.n_rows).sum()
                 };
                 let ng = n_cols / 32;
-                let coop = kq || ng > exact_coop_min();
-                if coop {
+                if kq || ng > exact_coop_min() {
                     // a block of four warps per four rows (mmvd_coop_kernel)
                     let cap = ng.next_multiple_of(8).min(MMVD_CAP);
                     let (lanes, dl, gpb) = match ty {
@@ -773,16 +771,15 @@ impl CudaDevice {
                         smem as u32,
                         &[&job, &aq, &ads, &nc, &capi],
                     )?;
-                    i = k;
-                    continue;
+                } else {
+                    // eight threads per row, four rows (glu: two gate/up pairs) per warp
+                    self.launch(
+                        &format!("mmvd_{st}"),
+                        (blocks(rows, 16), n_tok as u32, 1),
+                        128,
+                        &[&job, &aq, &ads, &nc, &mode],
+                    )?;
                 }
-                // eight threads per row, four rows (glu: two gate/up pairs) per warp
-                self.launch(
-                    &format!("mmvd_{st}"),
-                    (blocks(rows, 16), n_tok as u32, 1),
-                    128,
-                    &[&job, &aq, &ads, &nc, &mode],
-                )?;
                 i = k;
                 continue;
             }
