@@ -654,17 +654,19 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
 }
 
 // The weights of rows rr = 0..3 of group gw (as mmvd_row_of; row 0 of the first matrix, read
-// and not stored, past the end), and their L2 prefetch by this warp: part `part` of `parts`
-// equal shares of each row (the cooperative kernels' four warps share their rows).
+// and not stored, past the end), and with `pf` their L2 prefetch by this warp: part `part` of
+// `parts` equal shares of each row (the cooperative kernels' four warps share their rows).
+// (H100, tg128 --gpu-exact, three rounds each: without it the legacy formats lose 4-10%,
+// Q4_K_M's Q4_K / Q6_K products gain 1-2%; docs/performance.md, session 16.)
 __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, const u8 *(&wp)[4],
-                                          int gw = -1, int part = 0, int parts = 1) {
+                                          bool pf, int gw = -1, int part = 0, int parts = 1) {
     const size_t q = (row_bytes + parts - 1) / parts, off = (size_t)part * q;
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         int m, wi;
         const bool has = mmvd_row_of(j, rr, m, wi, gw);
         wp[rr] = has ? job_w(j, m) + (size_t)wi * row_bytes : j.w[0];
-        if (has && off < row_bytes)
+        if (pf && has && off < row_bytes)
             pdl_prefetch(wp[rr] + off, min(q, row_bytes - off), threadIdx.x & 31, 32);
     }
 }
@@ -675,7 +677,7 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     __shared__ R4Smem<MIN> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
-    mmvd_rows(j, (size_t)nb * F::BYTES, wp);
+    mmvd_rows(j, (size_t)nb * F::BYTES, wp, true);
     PDL_ENTRY();
     int m, wi;
     const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);
@@ -694,11 +696,12 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
 //          Q4_K's scale and minimum sums), GPB groups per chain step (1, or 8 for a
 //          super-block), DL float factors per step (2 for Q4_K: d and dmin times d_a);
 //   stage(row, gi, a, sc, v, d, m): v the sums, d the step's factors (when gi % GPB == 0),
-//          m the legacy minimum term's two factors.
+//          m the legacy minimum term's two factors;
+//   PF     whether the rows are prefetched into L2 before the wait (see mmvd_rows).
 // A step is acc = fma(d, f32(sum of the step's GPB sums), acc) per chain.
 template <class F, bool MIN_>
 struct CoopLegacy {
-    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_ };
+    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = 1 };
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 5) * F::BYTES;
     }
@@ -719,7 +722,7 @@ struct CoopLegacy {
 // Q6_K as mmve_q6k_row without `tiled`: lane k's sum of group g is sc * dot of values
 // 4k..4k+3, less 32 * (the group's sc-weighted activation sum) in lane k = g.
 struct CoopQ6K {
-    enum { LANES = 8, GPB = 8, DL = 1, MIN = 0 };
+    enum { LANES = 8, GPB = 8, DL = 1, MIN = 0, PF = 0 };
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 8) * 210;
     }
@@ -739,7 +742,7 @@ struct CoopQ6K {
 // per super-block acc = fma(f32(isum), d_w * d_a, acc) and accm likewise with dmin; the
 // value acc - accm.
 struct CoopQ4K {
-    enum { LANES = 2, GPB = 8, DL = 2, MIN = 0 };
+    enum { LANES = 2, GPB = 8, DL = 2, MIN = 0, PF = 0 };
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 8) * 144;
     }
@@ -774,7 +777,7 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     const int ng = n_cols >> 5, tid = threadIdx.x;
     const size_t rb = P::row_bytes(n_cols);
     const u8 *wp[4];
-    mmvd_rows(j, rb, wp, blockIdx.x, tid >> 5, 4);
+    mmvd_rows(j, rb, wp, P::PF, blockIdx.x, tid >> 5, 4);
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const i8 *a = aq + t * n_cols;
