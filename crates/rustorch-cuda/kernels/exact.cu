@@ -549,7 +549,7 @@ extern "C" __global__ void rope_table(const u32 *__restrict__ pos, const float *
 // rows of at most RUSTORCH_CUDA_COOP_MIN groups of 32) a warp per group of rows, decoding
 // 32 blocks per pass; `mmvd_*_c` (longer rows, and Q4_K / Q6_K) a block of four warps per
 // group, all decoding a whole row's groups in one round, then warp 0 walking the chains.
-// Weights are prefetched into L2 before the PDL wait.
+// The legacy formats' weights are prefetched into L2 before the PDL wait (see mmvd_rows).
 
 // Row rr (0..3) of group gw (default: this warp's; the cooperative kernels pass their block's):
 // its matrix m and row wi; false past the last row.
