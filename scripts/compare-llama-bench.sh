@@ -16,7 +16,10 @@
 # Per feature level: --llama-bench takes another llama-bench (e.g. one built with
 # GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF), --env sets variables for rustorch only
 # (e.g. RUSTORCH_ISA=avx2), --rustorch takes a prebuilt binary (no cargo build), --no-load
-# skips the load-time / RSS-at-load runs (the speed table only).
+# skips the load-time / RSS-at-load runs (the speed table only). rustorch runs with
+# `--device cpu` (on a GPU host `auto` would take the GPU); with --llama-bench and --no-load
+# nothing is built or downloaded (a GPU host without network: build llama.cpp there from the
+# `scripts/build-llama-cpp-cuda.sh --pack` tarball, CPU only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +47,7 @@ while [ $# -gt 0 ]; do
     --rustorch) ours="$2"; shift 2 ;;
     --env) ours_env+=("$2"); shift 2 ;;
     --no-load) do_load=0; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -56,7 +59,7 @@ fi
 
 cache="${RUSTORCH_CACHE:-$HOME/.cache/rustorch}"
 lbin="$cache/lcpp-build/bin"
-if [ ! -x "$lbin/llama-bench" ]; then
+if [ -z "$lbench" ] && [ ! -x "$lbin/llama-bench" ]; then
   scripts/build-llama-cpp.sh
 fi
 lbench="${lbench:-$lbin/llama-bench}"
@@ -69,7 +72,7 @@ ours_cmd=(env "${ours_env[@]}" "$ours")
 # llama.cpp's model load time, measured around llama_model_load_from_file
 src="$cache/llama_cpp_python-0.3.36/vendor/llama.cpp"
 loadtool="$cache/llama-load-time"
-if [ ! -x "$loadtool" ] || [ scripts/llama-load-time.c -nt "$loadtool" ]; then
+if [ "$do_load" = 1 ] && { [ ! -x "$loadtool" ] || [ scripts/llama-load-time.c -nt "$loadtool" ]; }; then
   cc -O2 -o "$loadtool" scripts/llama-load-time.c -I"$src/include" -I"$src/ggml/include" \
     -L"$lbin" -lllama -lggml -lggml-base -Wl,-rpath,"$lbin"
 fi
@@ -94,7 +97,7 @@ for round in $(seq 1 "$rounds"); do
     m="${models[$i]}"
     [ -f "$m" ] || { echo "missing model $m" >&2; exit 1; }
     echo "round $round: $m" >&2
-    measure "$out/ours-$round-$i.json" "${ours_cmd[@]}" bench -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
+    measure "$out/ours-$round-$i.json" "${ours_cmd[@]}" bench -m "$m" --device cpu -p "$p" -n "$n" -t "$t" -r "$r" -o json
     measure "$out/lcpp-$round-$i.json" "$lbench" -m "$m" -p "$p" -n "$n" -t "$t" -r "$r" -o json
   done
 done
@@ -108,7 +111,7 @@ for i in "${!models[@]}"; do
   m="${models[$i]}"
   for k in $(seq 1 "$loads"); do
     t0=$(now_ns)
-    "${ours_cmd[@]}" bench -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > "$out/ours-load-$k-$i.json" 2> /dev/null
+    "${ours_cmd[@]}" bench -m "$m" --device cpu -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > "$out/ours-load-$k-$i.json" 2> /dev/null
     t1=$(now_ns)
     "$lbench" -m "$m" -p 0 -n 1 -r 1 --no-warmup -t "$t" -o json > /dev/null 2>&1
     t2=$(now_ns)
