@@ -1,10 +1,11 @@
-//! `rustorch make-model`: a llama-architecture GGUF with random N(0, 0.02) weights in the
-//! shape of a known model, reproducible from a seed, with the tokenizer of a vocabulary
-//! GGUF: benchmark models a GPU host makes locally instead of copying gigabytes.
+//! `rustorch make-model`: a GGUF with random N(0, 0.02) weights in the shape of a known
+//! model (llama or qwen2 architecture), reproducible from a seed, with the tokenizer of a
+//! vocabulary GGUF: benchmark models a GPU host makes locally instead of copying gigabytes.
 //!
 //! ```text
 //! rustorch make-model --shape tinyllama --type q4_0 --seed 1 \
 //!     --vocab models/vocab/ggml-vocab-llama-spm.gguf tinyllama-q4_0.gguf
+//! rustorch make-model --shape qwen2.5-1.5b qwen-1.5b-f16.gguf   # then quantize Q4_K_M
 //! ```
 
 use std::path::PathBuf;
@@ -19,8 +20,11 @@ use rustorch_core::GgmlType;
 pub struct Args {
     /// Output GGUF
     pub output: PathBuf,
-    /// Shape: tinyllama (22 layers, 2048 wide, 32 heads, 4 KV heads, FFN 5632) or tiny
-    /// (2 layers, 256 wide, for tests)
+    /// Shape: tinyllama (22 layers, 2048 wide, 32 heads, 4 KV heads, FFN 5632), tiny
+    /// (2 layers, 256 wide, for tests), or Qwen2.5's qwen2.5-0.5b (24 layers, 896 wide, 14
+    /// heads, 2 KV heads, FFN 4864) and qwen2.5-1.5b (28, 1536, 12, 2, 8960), qwen2
+    /// architecture with Q/K/V biases and its own output matrix (tiny-qwen2: 2 layers, 256
+    /// wide, for tests)
     #[arg(long = "shape", default_value = "tinyllama")]
     pub shape: String,
     /// Weight type of the matrices: f16, q8_0, q4_0, q4_k, ... (norms stay f32)
@@ -29,18 +33,19 @@ pub struct Args {
     /// Seed of the weights
     #[arg(long = "seed", default_value_t = 1)]
     pub seed: u64,
-    /// Vocabulary GGUF whose tokenizer the model takes (its token count is the model's)
-    #[arg(
-        long = "vocab",
-        default_value = "models/vocab/ggml-vocab-llama-spm.gguf"
-    )]
-    pub vocab: PathBuf,
+    /// Vocabulary GGUF whose tokenizer the model takes (its token count is the model's);
+    /// default models/vocab/ggml-vocab-llama-spm.gguf, or ggml-vocab-qwen2.gguf for the
+    /// qwen2 shapes
+    #[arg(long = "vocab")]
+    pub vocab: Option<PathBuf>,
     /// Overwrite the output file if it exists
     #[arg(long = "force")]
     pub force: bool,
 }
 
 struct Shape {
+    /// GGUF architecture: "llama", or "qwen2" (Q/K/V biases, rope base 1e6, eps 1e-6)
+    arch: &'static str,
     n_layer: usize,
     n_embd: usize,
     n_head: usize,
@@ -52,6 +57,7 @@ struct Shape {
 fn shape(name: &str) -> anyhow::Result<Shape> {
     Ok(match name {
         "tinyllama" => Shape {
+            arch: "llama",
             n_layer: 22,
             n_embd: 2048,
             n_head: 32,
@@ -60,6 +66,7 @@ fn shape(name: &str) -> anyhow::Result<Shape> {
             n_ctx: 2048,
         },
         "tiny" => Shape {
+            arch: "llama",
             n_layer: 2,
             n_embd: 256,
             n_head: 4,
@@ -67,7 +74,36 @@ fn shape(name: &str) -> anyhow::Result<Shape> {
             n_ff: 512,
             n_ctx: 512,
         },
-        other => bail!("unknown shape '{other}' (tinyllama, tiny)"),
+        "tiny-qwen2" => Shape {
+            arch: "qwen2",
+            n_layer: 2,
+            n_embd: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ff: 512,
+            n_ctx: 512,
+        },
+        "qwen2.5-0.5b" => Shape {
+            arch: "qwen2",
+            n_layer: 24,
+            n_embd: 896,
+            n_head: 14,
+            n_head_kv: 2,
+            n_ff: 4864,
+            n_ctx: 32768,
+        },
+        "qwen2.5-1.5b" => Shape {
+            arch: "qwen2",
+            n_layer: 28,
+            n_embd: 1536,
+            n_head: 12,
+            n_head_kv: 2,
+            n_ff: 8960,
+            n_ctx: 32768,
+        },
+        other => bail!(
+            "unknown shape '{other}' (tinyllama, tiny, tiny-qwen2, qwen2.5-0.5b, qwen2.5-1.5b)"
+        ),
     })
 }
 
@@ -122,15 +158,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.output.display()
         );
     }
-    let vocab = GgufFile::open(&args.vocab)
-        .with_context(|| format!("reading the vocabulary '{}'", args.vocab.display()))?;
+    let qwen = sh.arch == "qwen2";
+    let vocab_path = args.vocab.clone().unwrap_or_else(|| {
+        PathBuf::from(if qwen {
+            "models/vocab/ggml-vocab-qwen2.gguf"
+        } else {
+            "models/vocab/ggml-vocab-llama-spm.gguf"
+        })
+    });
+    let vocab = GgufFile::open(&vocab_path)
+        .with_context(|| format!("reading the vocabulary '{}'", vocab_path.display()))?;
     let n_vocab = vocab
         .get_string_array("tokenizer.ggml.tokens")
-        .with_context(|| format!("'{}' has no token list", args.vocab.display()))?
+        .with_context(|| format!("'{}' has no token list", vocab_path.display()))?
         .len();
     let t0 = std::time::Instant::now();
     let mut w = GgufWriter::new();
-    let a = "llama";
+    let a = sh.arch;
     w.add("general.architecture", Value::String(a.into()));
     w.add(
         "general.name",
@@ -150,10 +194,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         format!("{a}.rope.dimension_count"),
         u(sh.n_embd / sh.n_head),
     );
-    w.add(format!("{a}.rope.freq_base"), Value::F32(10000.0));
+    let (rope_base, eps) = if qwen { (1e6, 1e-6) } else { (10000.0, 1e-5) };
+    w.add(format!("{a}.rope.freq_base"), Value::F32(rope_base));
     w.add(
         format!("{a}.attention.layer_norm_rms_epsilon"),
-        Value::F32(1e-5),
+        Value::F32(eps),
     );
     w.add("general.quantization_version", Value::U32(2));
     for (k, v) in vocab.metadata() {
@@ -187,6 +232,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ] {
             let data = matrix(ty, args.seed, next(), rows, cols)?;
             w.add_tensor(n(name), ty, &dims(cols, rows), data)?;
+        }
+        if qwen {
+            for (name, len) in [("attn_q.bias", e), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
+                let v = normal(args.seed, next() << 20, len, 0.02);
+                let data = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                w.add_tensor(n(name), GgmlType::F32, &[len as u64], data)?;
+            }
         }
         w.add_tensor(n("ffn_norm.weight"), GgmlType::F32, &[e as u64], ones(e))?;
         for (name, rows, cols) in [

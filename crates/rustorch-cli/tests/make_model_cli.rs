@@ -9,11 +9,15 @@ fn root() -> PathBuf {
 }
 
 fn make(out: &std::path::Path, seed: &str, vocab: &std::path::Path) {
+    make_shape(out, "tiny", seed, vocab)
+}
+
+fn make_shape(out: &std::path::Path, shape: &str, seed: &str, vocab: &std::path::Path) {
     let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
         .args([
             "make-model",
             "--shape",
-            "tiny",
+            shape,
             "--type",
             "q4_0",
             "--seed",
@@ -49,6 +53,47 @@ fn make_model_is_reproducible_and_runs() {
             "run", "--device", "cpu", "-p", "Hello", "-n", "4", "--temp", "0", "-m",
         ])
         .arg(&a)
+        .output()
+        .expect("run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The qwen2 shapes: the architecture's keys, Q/K/V biases and vocabulary, read back by
+/// `inspect` and run (the loader needs every qwen2 tensor).
+#[test]
+fn make_model_qwen2_shape_loads_and_runs() {
+    let vocab = root().join("models/vocab/ggml-vocab-qwen2.gguf");
+    if !vocab.exists() {
+        eprintln!("SKIPPED: {} is absent", vocab.display());
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("rustorch-make-qwen2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let m = dir.join("q.gguf");
+    make_shape(&m, "tiny-qwen2", "3", &vocab);
+    let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
+        .arg("inspect")
+        .arg(&m)
+        .output()
+        .expect("inspect");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("architecture: qwen2"), "{text}");
+    assert!(text.contains("151936"), "{text}");
+    for t in [
+        "blk.1.attn_q.bias",
+        "blk.1.attn_k.bias",
+        "blk.1.attn_v.bias",
+        "output.weight",
+    ] {
+        assert!(text.contains(t), "{t} missing: {text}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
+        .args([
+            "run", "--device", "cpu", "-p", "Hello", "-n", "4", "--temp", "0", "-m",
+        ])
+        .arg(&m)
         .output()
         .expect("run");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
