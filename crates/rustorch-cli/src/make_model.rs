@@ -76,12 +76,7 @@ fn shape(name: &str) -> anyhow::Result<Shape> {
         },
         "tiny-qwen2" => Shape {
             arch: "qwen2",
-            n_layer: 2,
-            n_embd: 256,
-            n_head: 4,
-            n_head_kv: 2,
-            n_ff: 512,
-            n_ctx: 512,
+            ..shape("tiny")?
         },
         "qwen2.5-0.5b" => Shape {
             arch: "qwen2",

@@ -32,15 +32,41 @@ fn make_shape(out: &std::path::Path, shape: &str, seed: &str, vocab: &std::path:
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// The vocabulary `name` under models/vocab, or None (with a SKIPPED line) where absent.
+fn vocab(name: &str) -> Option<PathBuf> {
+    let v = root().join("models/vocab").join(name);
+    if !v.exists() {
+        eprintln!("SKIPPED: {} is absent", v.display());
+        return None;
+    }
+    Some(v)
+}
+
+/// A fresh temporary folder for one test.
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rustorch-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// `rustorch run` of four greedy tokens on the CPU succeeds with `model`.
+fn runs(model: &std::path::Path) {
+    let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
+        .args([
+            "run", "--device", "cpu", "-p", "Hello", "-n", "4", "--temp", "0", "-m",
+        ])
+        .arg(model)
+        .output()
+        .expect("run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 #[test]
 fn make_model_is_reproducible_and_runs() {
-    let vocab = root().join("models/vocab/ggml-vocab-llama-spm.gguf");
-    if !vocab.exists() {
-        eprintln!("SKIPPED: {} is absent", vocab.display());
+    let Some(vocab) = vocab("ggml-vocab-llama-spm.gguf") else {
         return;
-    }
-    let dir = std::env::temp_dir().join(format!("rustorch-make-model-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    };
+    let dir = temp_dir("make-model");
     let (a, b, c) = (dir.join("a.gguf"), dir.join("b.gguf"), dir.join("c.gguf"));
     make(&a, "7", &vocab);
     make(&b, "7", &vocab);
@@ -48,14 +74,7 @@ fn make_model_is_reproducible_and_runs() {
     let read = |p: &PathBuf| std::fs::read(p).expect("read");
     assert_eq!(read(&a), read(&b), "same seed, different bytes");
     assert_ne!(read(&a), read(&c), "different seeds, same bytes");
-    let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
-        .args([
-            "run", "--device", "cpu", "-p", "Hello", "-n", "4", "--temp", "0", "-m",
-        ])
-        .arg(&a)
-        .output()
-        .expect("run");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    runs(&a);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -63,13 +82,10 @@ fn make_model_is_reproducible_and_runs() {
 /// `inspect` and run (the loader needs every qwen2 tensor).
 #[test]
 fn make_model_qwen2_shape_loads_and_runs() {
-    let vocab = root().join("models/vocab/ggml-vocab-qwen2.gguf");
-    if !vocab.exists() {
-        eprintln!("SKIPPED: {} is absent", vocab.display());
+    let Some(vocab) = vocab("ggml-vocab-qwen2.gguf") else {
         return;
-    }
-    let dir = std::env::temp_dir().join(format!("rustorch-make-qwen2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    };
+    let dir = temp_dir("make-qwen2");
     let m = dir.join("q.gguf");
     make_shape(&m, "tiny-qwen2", "3", &vocab);
     let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
@@ -89,13 +105,6 @@ fn make_model_qwen2_shape_loads_and_runs() {
     ] {
         assert!(text.contains(t), "{t} missing: {text}");
     }
-    let o = Command::new(env!("CARGO_BIN_EXE_rustorch"))
-        .args([
-            "run", "--device", "cpu", "-p", "Hello", "-n", "4", "--temp", "0", "-m",
-        ])
-        .arg(&m)
-        .output()
-        .expect("run");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    runs(&m);
     let _ = std::fs::remove_dir_all(&dir);
 }
