@@ -654,20 +654,23 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
 }
 
 // The weights of rows rr = 0..3 of group gw (as mmvd_row_of; row 0 of the first matrix, read
-// and not stored, past the end), and with `pf` their L2 prefetch by this warp: part `part` of
+// and not stored, past the end), and with `pf` (and RT_PDL_PREFETCH: not with
+// RUSTORCH_CUDA_PDL=1, as the other products) their L2 prefetch by this warp: part `part` of
 // `parts` equal shares of each row (the cooperative kernels' four warps share their rows).
 // (H100, tg128 --gpu-exact, three rounds each: without it the legacy formats lose 4-10%,
 // Q4_K_M's Q4_K / Q6_K products gain 1-2%; docs/performance.md, session 16.)
 __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, const u8 *(&wp)[4],
                                           bool pf, int gw = -1, int part = 0, int parts = 1) {
-    const size_t q = (row_bytes + parts - 1) / parts, off = (size_t)part * q;
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         int m, wi;
         const bool has = mmvd_row_of(j, rr, m, wi, gw);
         wp[rr] = has ? job_w(j, m) + (size_t)wi * row_bytes : j.w[0];
+#ifdef RT_PDL_PREFETCH
+        const size_t q = (row_bytes + parts - 1) / parts, off = (size_t)part * q;
         if (pf && has && off < row_bytes)
             pdl_prefetch(wp[rr] + off, min(q, row_bytes - off), threadIdx.x & 31, 32);
+#endif
     }
 }
 
