@@ -116,25 +116,47 @@ unsafe fn tile_n<const F: u8, const T: usize>(
     let (abs, aqo) = (act_block_bytes(F), act_qs_off(F));
     let pairs = F == IQ4_NL;
     let nb_main = if pairs { nb & !1 } else { nb };
+    // Q4_1/Q5_1's minimum chains (fused multiply-adds in block order): for one or two
+    // activation rows inside the vector loop, as ggml's gemv does, so that the two chains of
+    // a row run side by side; for more, in their own pass after it, so that the vector loop
+    // keeps its accumulators in registers
+    let min_inline = has_min(F) && T <= 2;
     for r in 0..nrows {
         let row = w.add(r * rb);
+        // one token (decode): the row four rows ahead into L1 (the hardware prefetcher alone
+        // leaves the two-thread decode below the memory's rate; a software prefetch is no
+        // float step, the results are unchanged)
+        if T == 1 {
+            let pf = row.wrapping_add(4 * rb);
+            let mut o = 0;
+            while o < rb {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(o) as *const i8);
+                o += 64;
+            }
+        }
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        let mut summs = [0f32; T];
         for b in 0..nb_main {
             let p = row.add(b * bs);
             let x = values::<F>(p);
             let dw = f16(rd_u16(p));
             let k = if pairs { b & 1 } else { 0 };
+            let mw = if min_inline {
+                f16(rd_u16(p.add(2)))
+            } else {
+                0.0
+            };
             for t in 0..T {
                 let a = acts[t];
                 let y = _mm256_loadu_si256(a.q.add(b * abs + aqo) as *const __m256i);
                 let sc = _mm256_set1_ps(dw * *a.d.add(b));
                 acc[k][t] = _mm256_fmadd_ps(sc, lanes::<F>(x, y), acc[k][t]);
+                if min_inline {
+                    summs[t] = mw.mul_add(*a.s.add(b), summs[t]);
+                }
             }
         }
-        // Q4_1/Q5_1: the minimums' chains (the same fused multiply-adds in block order), in
-        // their own pass so the vector loop above keeps its accumulators in registers
-        let mut summs = [0f32; T];
-        if has_min(F) {
+        if has_min(F) && !min_inline {
             for b in 0..nb_main {
                 let mw = f16(rd_u16(row.add(b * bs + 2)));
                 for t in 0..T {
