@@ -10,7 +10,7 @@ use crate::kernels::attn::{self, GroupQuery, HeadAttn};
 use crate::kernels::attn_q::{self, KvRows, QuantAttn};
 use crate::kernels::ops::{self, rms_norm, Rope};
 use crate::kernels::{
-    attn_long, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, par_rows, QActs,
+    attn_tiled, gexp, isa, matmul, matmul_many, matmul_reference, matmul_swiglu, par_rows, QActs,
     QMatrix, ThreadPool,
 };
 use crate::kv_cache::{self, decode_row, words_as_bytes, KvCache, SeqId};
@@ -839,7 +839,7 @@ fn attention(
         // on what else shares the batch (for one sequence this is llama.cpp's rule)
         let seq = rows.seq_ids[t0];
         if n > 1 && rows.seq_ids.iter().filter(|&&s| s == seq).count() >= 64 {
-            attn_long::attend_group(isa, &kv, &mut queries);
+            attn_tiled::attend_group(isa, &kv, &mut queries);
         } else {
             attn::attend_group(isa, &kv, &mut queries);
         }

@@ -12,8 +12,8 @@
 //! tiles share each unpacked weight block between several activation rows.
 
 pub mod attn;
-pub mod attn_long;
 pub mod attn_q;
+pub mod attn_tiled;
 mod cpu;
 mod dot;
 mod fdot;
