@@ -16,7 +16,7 @@
 //! every x86 level.
 
 use super::cpu::Isa;
-use crate::quant::f16_to_f32;
+use crate::quant::f16_to_f32_row;
 
 pub use super::attn::{GroupQuery, HeadAttn};
 
@@ -32,12 +32,7 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
         return;
     }
     let _ = isa;
-    let cvt = |x: &[u16], y: &mut [f32]| {
-        for (o, &v) in y.iter_mut().zip(x) {
-            *o = f16_to_f32(v);
-        }
-    };
-    body(h, queries, cvt, |p| {
+    body(h, queries, |p| {
         for x in p.iter_mut() {
             *x = super::gexp::expf(*x);
         }
@@ -51,15 +46,9 @@ fn reduce16(v: &[f32]) -> f32 {
     (t[0] + t[2]) + (t[1] + t[3])
 }
 
-/// The algorithm, written once; `cvt` converts f16 values to f32, `exp` turns 64 arguments
-/// into `ggml_v_expf` of them.
+/// The algorithm, written once; `exp` turns 64 arguments into `ggml_v_expf` of them.
 #[inline(always)]
-fn body(
-    h: &HeadAttn<'_>,
-    queries: &mut [GroupQuery<'_>],
-    cvt: impl Fn(&[u16], &mut [f32]),
-    exp: impl Fn(&mut [f32; TILE]),
-) {
+fn body(h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>], exp: impl Fn(&mut [f32; TILE])) {
     let Some(hd) = queries.first().map(|q| q.q.len()) else {
         return;
     };
@@ -83,11 +72,11 @@ fn body(
         for j in 0..nt {
             let base = (t0 + j) * h.stride + h.offset;
             let v = &mut vt[j * hd..j * hd + hd];
-            cvt(&h.k[base..base + hd], v);
+            f16_to_f32_row(&h.k[base..base + hd], v);
             for d in 0..hd {
                 kt[d * TILE + j] = v[d];
             }
-            cvt(&h.v[base..base + hd], v);
+            f16_to_f32_row(&h.v[base..base + hd], v);
         }
         for (qi, g) in queries.iter().enumerate() {
             let vis = |j: usize| j < nt && pos[j] >= g.min_pos && pos[j] <= g.max_pos;
@@ -179,20 +168,7 @@ mod x86 {
     /// AVX2 and FMA must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_group_avx2(h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
-        let cvt = |x: &[u16], y: &mut [f32]| {
-            let n8 = x.len() & !7;
-            for i in (0..n8).step_by(8) {
-                // SAFETY: 8 values in bounds of both; F16C as this function requires.
-                unsafe {
-                    let hv = _mm_loadu_si128(x.as_ptr().add(i) as *const __m128i);
-                    _mm256_storeu_ps(y.as_mut_ptr().add(i), _mm256_cvtph_ps(hv));
-                }
-            }
-            for i in n8..x.len() {
-                y[i] = f16_to_f32(x[i]);
-            }
-        };
-        body(h, queries, cvt, |p| {
+        body(h, queries, |p| {
             for c in p.chunks_exact_mut(8) {
                 // SAFETY: 8 values in bounds; AVX2 and FMA as this function requires.
                 unsafe {
@@ -207,7 +183,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::f32_to_f16;
+    use crate::quant::{f16_to_f32, f32_to_f16};
 
     fn noise(seed: u64, n: usize, amp: f32) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;

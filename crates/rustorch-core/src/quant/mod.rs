@@ -62,7 +62,7 @@ pub mod q1q2;
 pub mod ternary;
 pub mod weighted;
 
-pub use float::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f32_to_f16_row};
+pub use float::{bf16_to_f32, f16_to_f32, f16_to_f32_row, f32_to_bf16, f32_to_f16, f32_to_f16_row};
 pub use iqgrid::{
     BlockIq1M, BlockIq1S, BlockIq2S, BlockIq2Xs, BlockIq2Xxs, BlockIq3S, BlockIq3Xxs,
 };
