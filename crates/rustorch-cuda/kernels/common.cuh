@@ -114,11 +114,22 @@ __device__ __forceinline__ void quantize_lane(float v, i8 *aq, size_t i, float2 
 // PDL_ENTRY_AFTER), so each kernel still sees everything every earlier kernel wrote. Where the kernel was not
 // launched that way, the wait returns at once. src/mega.rs defines RT_NO_PDL.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(RT_NO_PDL)
+#ifndef RT_NULL_BODY
 #define PDL_ENTRY()                                                    \
     do {                                                               \
         asm volatile("griddepcontrol.wait;" ::: "memory");             \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
     } while (0)
+#else
+// timing only (RUSTORCH_CUDA_DEFS=RT_NULL_BODY, results wrong): every kernel stops right
+// after its entry, so a step measures its chain of launches without their work
+#define PDL_ENTRY()                                                    \
+    do {                                                               \
+        asm volatile("griddepcontrol.wait;" ::: "memory");             \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+        return;                                                        \
+    } while (0)
+#endif
 // Asks L2 to fetch the `bytes` bytes at p (read-only weights), one line per lane and step.
 __device__ __forceinline__ void pdl_prefetch(const void *p, size_t bytes, int lane, int lanes) {
     const char *c = (const char *)p;
