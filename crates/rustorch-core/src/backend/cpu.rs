@@ -740,7 +740,13 @@ fn attention(
     };
     // Queries of one KV head and a run of tokens of one sequence share a task, so keys and
     // values are converted once for all of them; results do not depend on the grouping.
-    let per_tile = if n == 1 { 1 } else { (16 / group).max(1) };
+    // Long batches take longer runs (up to 32 tokens, about 32 tasks in all): the tiled
+    // attention converts and transposes each tile of 64 cells once per task.
+    let per_tile = if n == 1 {
+        1
+    } else {
+        (n * spec.n_head_kv / 32).clamp((16 / group).max(1), 32)
+    };
     let mut tiles: Vec<(usize, usize)> = Vec::new();
     if n > 1 {
         let mut t0 = 0;
@@ -765,7 +771,9 @@ fn attention(
         let (t0, t1, head0) = if n == 1 {
             (0, 1, task)
         } else {
-            let (t0, t1) = tiles[task / spec.n_head_kv];
+            // the last runs first: causal rows see more cells, so the pool's threads, which
+            // claim tasks in order, end together
+            let (t0, t1) = tiles[tiles.len() - 1 - task / spec.n_head_kv];
             (t0, t1, (task % spec.n_head_kv) * group)
         };
         let kvh = head0 / group;

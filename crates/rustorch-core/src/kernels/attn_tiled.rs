@@ -32,11 +32,25 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
         return;
     }
     let _ = isa;
-    body(h, queries, |p| {
+    body(h, queries, scores, |p| {
         for x in p.iter_mut() {
             *x = super::gexp::expf(*x);
         }
     });
+}
+
+/// A tile's scores before scaling: for each cell j, the fused multiply-add chain of the
+/// query against the cell's key (`kt`: element d of cell j at d * TILE + j), from 0 over the
+/// elements in order.
+#[inline(always)]
+fn scores(q: &[f32], kt: &[f32], sc: &mut [f32; TILE]) {
+    *sc = [0f32; TILE];
+    for (d, &qd) in q.iter().enumerate() {
+        let row = &kt[d * TILE..d * TILE + TILE];
+        for j in 0..TILE {
+            sc[j] = qd.mul_add(row[j], sc[j]);
+        }
+    }
 }
 
 /// `_mm512_reduce_add_ps` of 16 values (GCC's tree: halves, quarters, then pairs).
@@ -46,9 +60,15 @@ fn reduce16(v: &[f32]) -> f32 {
     (t[0] + t[2]) + (t[1] + t[3])
 }
 
-/// The algorithm, written once; `exp` turns 64 arguments into `ggml_v_expf` of them.
+/// The algorithm, written once; `dot` computes a tile's scores as [`scores`] does, `exp`
+/// turns 64 arguments into `ggml_v_expf` of them.
 #[inline(always)]
-fn body(h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>], exp: impl Fn(&mut [f32; TILE])) {
+fn body(
+    h: &HeadAttn<'_>,
+    queries: &mut [GroupQuery<'_>],
+    dot: impl Fn(&[f32], &[f32], &mut [f32; TILE]),
+    exp: impl Fn(&mut [f32; TILE]),
+) {
     let Some(hd) = queries.first().map(|q| q.q.len()) else {
         return;
     };
@@ -84,13 +104,7 @@ fn body(h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>], exp: impl Fn(&mut [f32
                 continue;
             }
             let mut sc = [0f32; TILE];
-            for d in 0..hd {
-                let qd = g.q[d];
-                let row = &kt[d * TILE..d * TILE + TILE];
-                for j in 0..TILE {
-                    sc[j] = qd.mul_add(row[j], sc[j]);
-                }
-            }
+            dot(&g.q[..hd], &kt, &mut sc);
             let mut tmax = f32::NEG_INFINITY;
             for (j, x) in sc.iter_mut().enumerate() {
                 *x = if vis(j) {
@@ -161,14 +175,39 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// [`scores`] with the 64 sums in eight registers (each lane one cell's chain).
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scores_avx2(q: &[f32], kt: &[f32], sc: &mut [f32; TILE]) {
+        assert!(kt.len() >= q.len() * TILE);
+        let mut a = [_mm256_setzero_ps(); TILE / 8];
+        for (d, &qd) in q.iter().enumerate() {
+            let b = _mm256_set1_ps(qd);
+            // SAFETY: row d of kt is in bounds (asserted above).
+            let row = unsafe { kt.as_ptr().add(d * TILE) };
+            for (i, x) in a.iter_mut().enumerate() {
+                // SAFETY: as above; AVX2 and FMA as this function requires.
+                *x = unsafe { _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(8 * i)), *x) };
+            }
+        }
+        for (i, x) in a.iter().enumerate() {
+            // SAFETY: 8 values of the 64 in bounds.
+            unsafe { _mm256_storeu_ps(sc.as_mut_ptr().add(8 * i), *x) };
+        }
+    }
+
     /// [`body`] compiled for AVX2 and FMA (the loops over cells and elements vectorised),
-    /// the weights by `gexp`'s 8-lane `ggml_v_expf`.
+    /// the scores by [`scores_avx2`], the weights by `gexp`'s 8-lane `ggml_v_expf`.
     ///
     /// # Safety
     /// AVX2 and FMA must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_group_avx2(h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
-        body(h, queries, |p| {
+        // SAFETY: AVX2 and FMA as this function requires.
+        let dot = |q: &[f32], kt: &[f32], sc: &mut [f32; TILE]| unsafe { scores_avx2(q, kt, sc) };
+        body(h, queries, dot, |p| {
             for c in p.chunks_exact_mut(8) {
                 // SAFETY: 8 values in bounds; AVX2 and FMA as this function requires.
                 unsafe {
