@@ -927,6 +927,10 @@ fn x86_gemm_lanes(
         run_tiles_unpacked::<{ fmt::Q5_0 }>(pool, w, qa, out);
     } else if f == fmt::Q8_0 {
         run_tiles_unpacked::<{ fmt::Q8_0 }>(pool, w, qa, out);
+    } else if f == fmt::Q4_1 {
+        run_tiles_unpacked::<{ fmt::Q4_1 }>(pool, w, qa, out);
+    } else if f == fmt::Q5_1 {
+        run_tiles_unpacked::<{ fmt::Q5_1 }>(pool, w, qa, out);
     } else {
         let kern: TileFn<8> = with_fmt!(f, F => x86::lanes::tile::<F, 8> as TileFn<8>);
         run_tiles::<8>(pool, kern, f, w, qa, out);
@@ -938,9 +942,9 @@ thread_local! {
     static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Q4_0/Q5_0/Q8_0 on AVX2: as [`run_tiles`] with 8-row tiles, but each group of 16 weight
-/// rows is unpacked once (`lanes::unpack_rows`, into the thread's buffer) for all its
-/// activation tiles (`lanes::tile_u`).
+/// Q4_0/Q5_0/Q8_0/Q4_1/Q5_1 on AVX2: as [`run_tiles`] with 8-row tiles, but each group of
+/// 16 weight rows is unpacked once (`lanes::unpack_rows`, into the thread's buffer) for all
+/// its activation tiles (`lanes::tile_u`).
 #[cfg(target_arch = "x86_64")]
 fn run_tiles_unpacked<const F: u8>(
     pool: &ThreadPool,
@@ -958,19 +962,21 @@ fn run_tiles_unpacked<const F: u8>(
         UNPACKED.with(|buf| {
             let mut buf = buf.borrow_mut();
             // per block of 16 rows: its 32 values as bytes, then (after all values) its scale
-            let need = 16 * nb * 36;
+            // and (Q4_1/Q5_1, after all scales) its minimum
+            let need = 16 * nb * if fmt::has_min(F) { 40 } else { 36 };
             if buf.len() < need {
                 buf.resize(need, 0);
             }
             let xs = buf.as_mut_ptr();
             let dws = xs.wrapping_add(16 * nb * 32) as *mut f32;
+            let mws = dws.wrapping_add(16 * nb);
             for g in gs.clone() {
                 let r0 = 16 * g;
                 let nr = (n_rows - r0).min(16);
                 // SAFETY: AVX2/FMA/F16C were detected by the caller; rows r0..r0+nr exist; the
                 // buffer holds `need` bytes; outputs (t, r0..r0+nr) belong to this task.
                 unsafe {
-                    unpack_rows::<F>(base.add(r0 * rb), rb, nr, nb, xs, dws);
+                    unpack_rows::<F>(base.add(r0 * rb), rb, nr, nb, xs, dws, mws);
                     for t0 in (0..n_tok).step_by(8) {
                         let nt = (n_tok - t0).min(8);
                         let acts: [ActRow; 8] =
@@ -978,11 +984,12 @@ fn run_tiles_unpacked<const F: u8>(
                         let o = dst.add(t0 * n_rows + r0);
                         let a = &acts;
                         match nt {
-                            1 => tile_u::<F, 1>(xs, dws, nr, nb, &[a[0]], nt, o, n_rows),
-                            2 => tile_u::<F, 2>(xs, dws, nr, nb, &[a[0], a[1]], nt, o, n_rows),
+                            1 => tile_u::<F, 1>(xs, dws, mws, nr, nb, &[a[0]], nt, o, n_rows),
+                            2 => tile_u::<F, 2>(xs, dws, mws, nr, nb, &[a[0], a[1]], nt, o, n_rows),
                             3 | 4 => tile_u::<F, 4>(
                                 xs,
                                 dws,
+                                mws,
                                 nr,
                                 nb,
                                 &[a[0], a[1], a[2], a[3]],
@@ -990,7 +997,7 @@ fn run_tiles_unpacked<const F: u8>(
                                 o,
                                 n_rows,
                             ),
-                            _ => tile_u::<F, 8>(xs, dws, nr, nb, a, nt, o, n_rows),
+                            _ => tile_u::<F, 8>(xs, dws, mws, nr, nb, a, nt, o, n_rows),
                         }
                     }
                 }

@@ -187,12 +187,14 @@ unsafe fn tile_n<const F: u8, const T: usize>(
     }
 }
 
-/// Unpacks `nr` weight rows of a signed legacy format (Q4_0, Q5_0, Q8_0; `rb` bytes apart,
-/// `nb` blocks each) for [`tile_u`]: block `b` of row `r` as 32 signed bytes at
-/// `xs + 32 (r nb + b)` and its scale as f32 at `dws + r nb + b`.
+/// Unpacks `nr` weight rows of a legacy format (Q4_0, Q5_0, Q8_0, Q4_1, Q5_1; `rb` bytes
+/// apart, `nb` blocks each) for [`tile_u`]: block `b` of row `r` as 32 bytes at
+/// `xs + 32 (r nb + b)` (signed, or for Q4_1/Q5_1 unsigned), its scale as f32 at
+/// `dws + r nb + b` and, for Q4_1/Q5_1, its minimum as f32 at `mws + r nb + b`.
 ///
 /// # Safety
-/// AVX2, FMA and F16C must be available; `xs` must hold `32 nr nb` bytes, `dws` `nr nb` f32.
+/// AVX2, FMA and F16C must be available; `xs` must hold `32 nr nb` bytes, `dws` `nr nb` f32,
+/// and for Q4_1/Q5_1 `mws` `nr nb` f32 (else it is not used).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn unpack_rows<const F: u8>(
     w: *const u8,
@@ -201,6 +203,7 @@ pub(crate) unsafe fn unpack_rows<const F: u8>(
     nb: usize,
     xs: *mut u8,
     dws: *mut f32,
+    mws: *mut f32,
 ) {
     let bs = block_bytes(F);
     for r in 0..nr {
@@ -208,8 +211,16 @@ pub(crate) unsafe fn unpack_rows<const F: u8>(
         for b in 0..nb {
             let p = row.add(b * bs);
             let i = r * nb + b;
-            _mm256_storeu_si256(xs.add(32 * i) as *mut __m256i, svalues::<F>(p));
+            let x = if has_min(F) {
+                values::<F>(p)
+            } else {
+                svalues::<F>(p)
+            };
+            _mm256_storeu_si256(xs.add(32 * i) as *mut __m256i, x);
             *dws.add(i) = f16(rd_u16(p));
+            if has_min(F) {
+                *mws.add(i) = f16(rd_u16(p.add(2)));
+            }
         }
     }
 }
@@ -217,12 +228,14 @@ pub(crate) unsafe fn unpack_rows<const F: u8>(
 /// Blocks per chunk of [`tile_u`]'s scale table.
 const TILE_U_CHUNK: usize = 64;
 
-/// [`tile`] for Q4_0/Q5_0/Q8_0 on rows unpacked by [`unpack_rows`] (`nr <= 16` rows of `nb`
-/// blocks of format `F`), so that a group of rows is unpacked once for all its activation
-/// tiles. The same float steps: per (weight row, activation row) one FMA per block of the
-/// eight exact lane sums with the scale `dw * da`, in block order, then `hsum_float_8`. Each
-/// block's `T` scales come from one multiply by a per-chunk table of the activation scales,
-/// and the accumulators of the rows stay on the stack between chunks of blocks.
+/// [`tile`] for Q4_0/Q5_0/Q8_0/Q4_1/Q5_1 on rows unpacked by [`unpack_rows`] (`nr <= 16`
+/// rows of `nb` blocks of format `F`), so that a group of rows is unpacked once for all its
+/// activation tiles. The same float steps: per (weight row, activation row) one FMA per block
+/// of the eight exact lane sums with the scale `dw * da`, in block order, then
+/// `hsum_float_8`, plus for Q4_1/Q5_1 the minimum term's chain `fma(mw, sa, ·)` in block
+/// order (its own pass, as [`tile`] does for three or more rows). Each block's `T` scales
+/// come from one multiply by a per-chunk table of the activation scales, and the
+/// accumulators of the rows stay on the stack between chunks of blocks.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; pointers must cover the stated sizes.
@@ -231,6 +244,7 @@ const TILE_U_CHUNK: usize = 64;
 pub(crate) unsafe fn tile_u<const F: u8, const T: usize>(
     xs: *const u8,
     dws: *const f32,
+    mws: *const f32,
     nr: usize,
     nb: usize,
     acts: &[ActRow; T],
@@ -259,7 +273,11 @@ pub(crate) unsafe fn tile_u<const F: u8, const T: usize>(
                 let b = c0 + c;
                 let i = r * nb + b;
                 let x = _mm256_loadu_si256(xs.add(32 * i) as *const __m256i);
-                let ax = _mm256_sign_epi8(x, x);
+                let ax = if has_min(F) {
+                    x
+                } else {
+                    _mm256_sign_epi8(x, x)
+                };
                 let dw = _mm256_broadcast_ss(&*dws.add(i));
                 let s = _mm256_mul_ps(dw, _mm256_loadu_ps(dtab[c].as_ptr()));
                 _mm256_storeu_ps(sc.as_mut_ptr(), s);
@@ -267,7 +285,11 @@ pub(crate) unsafe fn tile_u<const F: u8, const T: usize>(
                 std::hint::black_box(&mut sc);
                 for t in 0..T {
                     let y = _mm256_loadu_si256(acts[t].q.add(b * abs + aqo) as *const __m256i);
-                    let pr = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x));
+                    let pr = if has_min(F) {
+                        _mm256_maddubs_epi16(ax, y)
+                    } else {
+                        _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x))
+                    };
                     let l = _mm256_cvtepi32_ps(_mm256_madd_epi16(pr, _mm256_set1_epi16(1)));
                     acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[t]), l, acc[t]);
                 }
@@ -277,8 +299,17 @@ pub(crate) unsafe fn tile_u<const F: u8, const T: usize>(
         c0 += nc;
     }
     for r in 0..nr {
+        let mut summs = [0f32; T];
+        if has_min(F) {
+            for b in 0..nb {
+                let mw = *mws.add(r * nb + b);
+                for t in 0..T {
+                    summs[t] = mw.mul_add(*acts[t].s.add(b), summs[t]);
+                }
+            }
+        }
         for t in 0..nt.min(T) {
-            *out.add(t * ostride + r) = hsum_float_8(accs[r][t]);
+            *out.add(t * ostride + r) = hsum_float_8(accs[r][t]) + summs[t];
         }
     }
 }
