@@ -32,11 +32,17 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
         return;
     }
     let _ = isa;
-    body(h, queries, scores, |p| {
-        for x in p.iter_mut() {
-            *x = super::gexp::expf(*x);
-        }
-    });
+    body(
+        h,
+        queries,
+        scores,
+        |p| {
+            for x in p.iter_mut() {
+                *x = super::gexp::expf(*x);
+            }
+        },
+        &accumulate,
+    );
 }
 
 /// A tile's scores before scaling: for each cell j, the fused multiply-add chain of the
@@ -60,14 +66,54 @@ fn reduce16(v: &[f32]) -> f32 {
     (t[0] + t[2]) + (t[1] + t[3])
 }
 
+/// The value accumulation of a tile as [`accumulate`] does it (arguments: the queries'
+/// weights, which queries have any, the tile's values, its cells, the head size and the
+/// accumulators).
+type VAcc<'a> = &'a dyn Fn(&[f32], &[bool], &[f32], usize, usize, &mut [f32]);
+
+/// The tile's values into the accumulators of the live queries: per element one fused
+/// multiply-add per cell in cell order, `acc = fma(p, v, acc)`; with a head size that is a
+/// multiple of 32 a weight of 0 (an invisible cell) leaves the accumulator as it is.
+fn accumulate(w: &[f32], live: &[bool], vt: &[f32], nt: usize, hd: usize, acc: &mut [f32]) {
+    for qi in (0..live.len()).filter(|&qi| live[qi]) {
+        let a = &mut acc[qi * hd..qi * hd + hd];
+        let sc = &w[qi * TILE..qi * TILE + TILE];
+        if hd.is_multiple_of(32) {
+            // 32 elements at a time in locals, so they stay in registers across the cells
+            for d0 in (0..hd).step_by(32) {
+                let mut r: [f32; 32] = std::array::from_fn(|l| a[d0 + l]);
+                for (j, &p) in sc.iter().enumerate().take(nt) {
+                    if p == 0.0 {
+                        continue;
+                    }
+                    let v = &vt[j * hd + d0..j * hd + d0 + 32];
+                    for l in 0..32 {
+                        r[l] = p.mul_add(v[l], r[l]);
+                    }
+                }
+                a[d0..d0 + 32].copy_from_slice(&r);
+            }
+        } else {
+            for (j, &p) in sc.iter().enumerate().take(nt) {
+                let v = &vt[j * hd..j * hd + hd];
+                for d in 0..hd {
+                    a[d] = p.mul_add(v[d], a[d]);
+                }
+            }
+        }
+    }
+}
+
 /// The algorithm, written once; `dot` computes a tile's scores as [`scores`] does, `exp`
-/// turns 64 arguments into `ggml_v_expf` of them.
+/// turns 64 arguments into `ggml_v_expf` of them, `vdo` accumulates the values as
+/// [`accumulate`] does.
 #[inline(always)]
 fn body(
     h: &HeadAttn<'_>,
     queries: &mut [GroupQuery<'_>],
     dot: impl Fn(&[f32], &[f32], &mut [f32; TILE]),
     exp: impl Fn(&mut [f32; TILE]),
+    vdo: VAcc<'_>,
 ) {
     let Some(hd) = queries.first().map(|q| q.q.len()) else {
         return;
@@ -81,6 +127,9 @@ fn body(
     let mut m = vec![f32::NEG_INFINITY; nq];
     let mut s = vec![0f32; nq];
     let mut acc = vec![0f32; nq * hd];
+    // each query's weights of the tile's cells, and whether it has any this tile
+    let mut wts = vec![0f32; nq * TILE];
+    let mut live = vec![false; nq];
     let lo = queries.iter().map(|g| g.min_pos).min().unwrap_or(0);
     let hi = queries.iter().map(|g| g.max_pos).max().unwrap_or(0);
     for t0 in (0..n).step_by(TILE) {
@@ -98,6 +147,7 @@ fn body(
             }
             f16_to_f32_row(&h.v[base..base + hd], v);
         }
+        live.fill(false);
         for (qi, g) in queries.iter().enumerate() {
             let vis = |j: usize| j < nt && pos[j] >= g.min_pos && pos[j] <= g.max_pos;
             if !(0..nt).any(vis) {
@@ -136,31 +186,10 @@ fn body(
                 sum += reduce16(c) as f64;
             }
             s[qi] = (s[qi] as f64 + sum) as f32;
-            // (a weight of 0, an invisible cell, leaves the accumulator as it is)
-            if hd.is_multiple_of(32) {
-                // 32 elements at a time in locals, so they stay in registers across the cells
-                for d0 in (0..hd).step_by(32) {
-                    let mut r: [f32; 32] = std::array::from_fn(|l| a[d0 + l]);
-                    for (j, &p) in sc.iter().enumerate().take(nt) {
-                        if p == 0.0 {
-                            continue;
-                        }
-                        let v = &vt[j * hd + d0..j * hd + d0 + 32];
-                        for l in 0..32 {
-                            r[l] = p.mul_add(v[l], r[l]);
-                        }
-                    }
-                    a[d0..d0 + 32].copy_from_slice(&r);
-                }
-            } else {
-                for (j, &p) in sc.iter().enumerate().take(nt) {
-                    let v = &vt[j * hd..j * hd + hd];
-                    for d in 0..hd {
-                        a[d] = p.mul_add(v[d], a[d]);
-                    }
-                }
-            }
+            wts[qi * TILE..qi * TILE + TILE].copy_from_slice(&sc);
+            live[qi] = true;
         }
+        vdo(&wts, &live, &vt, nt, hd, &mut acc);
     }
     for (qi, g) in queries.iter_mut().enumerate() {
         let inv = if s[qi] == 0.0 { 0.0 } else { 1.0 / s[qi] };
@@ -198,8 +227,86 @@ mod x86 {
         }
     }
 
+    /// [`accumulate`] for head sizes that are multiples of 32, two live queries at a time:
+    /// each 32 elements of a cell's value are loaded once for both (a weight of 0 skips that
+    /// query's multiply-adds, as in `accumulate`; the order per element is unchanged).
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn accumulate_avx2(
+        w: &[f32],
+        live: &[bool],
+        vt: &[f32],
+        nt: usize,
+        hd: usize,
+        acc: &mut [f32],
+    ) {
+        if !hd.is_multiple_of(32) {
+            return accumulate(w, live, vt, nt, hd, acc);
+        }
+        assert!(w.len() >= live.len() * TILE && acc.len() >= live.len() * hd);
+        assert!(vt.len() >= nt * hd);
+        let ap = acc.as_mut_ptr();
+        // queries a and b (b = a for one query alone)
+        let run = |a: usize, b: usize| {
+            let (pa, pb) = (&w[a * TILE..a * TILE + nt], &w[b * TILE..b * TILE + nt]);
+            for d0 in (0..hd).step_by(32) {
+                // SAFETY: rows a and b of acc are in bounds (asserted) and distinct or the
+                // same row used once; AVX2 and FMA as the function requires.
+                unsafe {
+                    let (xa, xb) = (ap.add(a * hd + d0), ap.add(b * hd + d0));
+                    let mut ra: [__m256; 4] =
+                        std::array::from_fn(|k| _mm256_loadu_ps(xa.add(8 * k)));
+                    let mut rb: [__m256; 4] =
+                        std::array::from_fn(|k| _mm256_loadu_ps(xb.add(8 * k)));
+                    for j in 0..nt {
+                        let (x, y) = (pa[j], if b != a { pb[j] } else { 0.0 });
+                        if x == 0.0 && y == 0.0 {
+                            continue;
+                        }
+                        let vp = vt.as_ptr().add(j * hd + d0);
+                        let v: [__m256; 4] =
+                            std::array::from_fn(|k| _mm256_loadu_ps(vp.add(8 * k)));
+                        if x != 0.0 {
+                            let bx = _mm256_set1_ps(x);
+                            for k in 0..4 {
+                                ra[k] = _mm256_fmadd_ps(bx, v[k], ra[k]);
+                            }
+                        }
+                        if y != 0.0 {
+                            let by = _mm256_set1_ps(y);
+                            for k in 0..4 {
+                                rb[k] = _mm256_fmadd_ps(by, v[k], rb[k]);
+                            }
+                        }
+                    }
+                    for (k, r) in ra.iter().enumerate() {
+                        _mm256_storeu_ps(xa.add(8 * k), *r);
+                    }
+                    if b != a {
+                        for (k, r) in rb.iter().enumerate() {
+                            _mm256_storeu_ps(xb.add(8 * k), *r);
+                        }
+                    }
+                }
+            }
+        };
+        let mut pending = None;
+        for qi in (0..live.len()).filter(|&qi| live[qi]) {
+            match pending.take() {
+                None => pending = Some(qi),
+                Some(a) => run(a, qi),
+            }
+        }
+        if let Some(a) = pending {
+            run(a, a);
+        }
+    }
+
     /// [`body`] compiled for AVX2 and FMA (the loops over cells and elements vectorised),
-    /// the scores by [`scores_avx2`], the weights by `gexp`'s 8-lane `ggml_v_expf`.
+    /// the scores by [`scores_avx2`], the weights by `gexp`'s 8-lane `ggml_v_expf`, the
+    /// values by [`accumulate_avx2`].
     ///
     /// # Safety
     /// AVX2 and FMA must be available.
@@ -207,7 +314,7 @@ mod x86 {
     pub(super) unsafe fn attend_group_avx2(h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) {
         // SAFETY: AVX2 and FMA as this function requires.
         let dot = |q: &[f32], kt: &[f32], sc: &mut [f32; TILE]| unsafe { scores_avx2(q, kt, sc) };
-        body(h, queries, dot, |p| {
+        let exp = |p: &mut [f32; TILE]| {
             for c in p.chunks_exact_mut(8) {
                 // SAFETY: 8 values in bounds; AVX2 and FMA as this function requires.
                 unsafe {
@@ -215,7 +322,12 @@ mod x86 {
                     _mm256_storeu_ps(c.as_mut_ptr(), e);
                 }
             }
-        })
+        };
+        // SAFETY: AVX2 and FMA as this function requires.
+        let vdo = |w: &[f32], live: &[bool], vt: &[f32], nt: usize, hd: usize, acc: &mut [f32]| unsafe {
+            accumulate_avx2(w, live, vt, nt, hd, acc)
+        };
+        body(h, queries, dot, exp, &vdo)
     }
 }
 
