@@ -740,12 +740,14 @@ fn attention(
     };
     // Queries of one KV head and a run of tokens of one sequence share a task, so keys and
     // values are converted once for all of them; results do not depend on the grouping.
-    // Long batches take longer runs (up to 32 tokens, about 32 tasks in all): the tiled
-    // attention converts and transposes each tile of 64 cells once per task.
+    // Long batches take longer runs (up to 32 tokens; about 8 tasks per thread, at least 32
+    // in all): the tiled attention converts and transposes each tile of 64 cells once per
+    // task.
     let per_tile = if n == 1 {
         1
     } else {
-        (n * spec.n_head_kv / 32).clamp((16 / group).max(1), 32)
+        let tasks = (8 * pool.n_threads()).max(32);
+        (n * spec.n_head_kv / tasks).clamp((16 / group).max(1), 32)
     };
     let mut tiles: Vec<(usize, usize)> = Vec::new();
     if n > 1 {
