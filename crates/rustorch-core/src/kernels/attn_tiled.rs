@@ -41,7 +41,7 @@ pub fn attend_group(isa: Isa, h: &HeadAttn<'_>, queries: &mut [GroupQuery<'_>]) 
                 *x = super::gexp::expf(*x);
             }
         },
-        &accumulate,
+        accumulate,
     );
 }
 
@@ -65,11 +65,6 @@ fn reduce16(v: &[f32]) -> f32 {
     let t: [f32; 4] = std::array::from_fn(|i| (v[i] + v[i + 8]) + (v[i + 4] + v[i + 12]));
     (t[0] + t[2]) + (t[1] + t[3])
 }
-
-/// The value accumulation of a tile as [`accumulate`] does it (arguments: the queries'
-/// weights, which queries have any, the tile's values, its cells, the head size and the
-/// accumulators).
-type VAcc<'a> = &'a dyn Fn(&[f32], &[bool], &[f32], usize, usize, &mut [f32]);
 
 /// The tile's values into the accumulators of the live queries: per element one fused
 /// multiply-add per cell in cell order, `acc = fma(p, v, acc)`; with a head size that is a
@@ -106,14 +101,15 @@ fn accumulate(w: &[f32], live: &[bool], vt: &[f32], nt: usize, hd: usize, acc: &
 
 /// The algorithm, written once; `dot` computes a tile's scores as [`scores`] does, `exp`
 /// turns 64 arguments into `ggml_v_expf` of them, `vdo` accumulates the values as
-/// [`accumulate`] does.
+/// [`accumulate`] does (arguments: the queries' weights, which queries have any, the tile's
+/// values, its cells, the head size and the accumulators).
 #[inline(always)]
 fn body(
     h: &HeadAttn<'_>,
     queries: &mut [GroupQuery<'_>],
     dot: impl Fn(&[f32], &[f32], &mut [f32; TILE]),
     exp: impl Fn(&mut [f32; TILE]),
-    vdo: VAcc<'_>,
+    vdo: impl Fn(&[f32], &[bool], &[f32], usize, usize, &mut [f32]),
 ) {
     let Some(hd) = queries.first().map(|q| q.q.len()) else {
         return;
@@ -153,8 +149,11 @@ fn body(
             if !(0..nt).any(vis) {
                 continue;
             }
-            let mut sc = [0f32; TILE];
-            dot(&g.q[..hd], &kt, &mut sc);
+            // the scores, then the weights, in place in the query's row of `wts`
+            let sc: &mut [f32; TILE] = (&mut wts[qi * TILE..qi * TILE + TILE])
+                .try_into()
+                .expect("a row of TILE weights");
+            dot(&g.q[..hd], &kt, sc);
             let mut tmax = f32::NEG_INFINITY;
             for (j, x) in sc.iter_mut().enumerate() {
                 *x = if vis(j) {
@@ -180,13 +179,12 @@ fn body(
             for x in sc.iter_mut() {
                 *x -= mnew;
             }
-            exp(&mut sc);
+            exp(sc);
             let mut sum = 0f64;
             for c in sc.chunks_exact(16) {
                 sum += reduce16(c) as f64;
             }
             s[qi] = (s[qi] as f64 + sum) as f32;
-            wts[qi * TILE..qi * TILE + TILE].copy_from_slice(&sc);
             live[qi] = true;
         }
         vdo(&wts, &live, &vt, nt, hd, &mut acc);
@@ -327,7 +325,7 @@ mod x86 {
         let vdo = |w: &[f32], live: &[bool], vt: &[f32], nt: usize, hd: usize, acc: &mut [f32]| unsafe {
             accumulate_avx2(w, live, vt, nt, hd, acc)
         };
-        body(h, queries, dot, exp, &vdo)
+        body(h, queries, dot, exp, vdo)
     }
 }
 
