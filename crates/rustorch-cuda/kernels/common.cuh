@@ -114,10 +114,35 @@ __device__ __forceinline__ void quantize_lane(float v, i8 *aq, size_t i, float2 
 // PDL_ENTRY_AFTER), so each kernel still sees everything every earlier kernel wrote. Where the kernel was not
 // launched that way, the wait returns at once. src/mega.rs defines RT_NO_PDL.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(RT_NO_PDL)
+#if defined(RT_STAMP)
+// timing only (RUSTORCH_CUDA_DEFS=RT_STAMP): thread 0 of every block notes when it passed
+// the wait (%globaltimer, ns), its grid's block count and its block size, read back by
+// CudaDevice::take_stamps; the grids of a step are ordered by these times (each waits for
+// the one before)
+#define RT_STAMP_MAX 65536
+__device__ u64 rt_stamps[2 * RT_STAMP_MAX];
+__device__ u32 rt_nstamp;
+__device__ __forceinline__ void rt_stamp() {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const u32 i = atomicAdd(&rt_nstamp, 1u);
+    if (i < RT_STAMP_MAX) {
+        rt_stamps[2 * i] = t;
+        rt_stamps[2 * i + 1] =
+            (u64)(gridDim.x * gridDim.y * gridDim.z) | ((u64)(blockDim.x * blockDim.y) << 32);
+    }
+}
+#else
+#define rt_stamp() \
+    do {           \
+    } while (0)
+#endif
 #ifndef RT_NULL_BODY
 #define PDL_ENTRY()                                                    \
     do {                                                               \
         asm volatile("griddepcontrol.wait;" ::: "memory");             \
+        rt_stamp();                                                    \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
     } while (0)
 #else

@@ -21,7 +21,7 @@ use rustorch_core::kv_cache::{KvCache, SeqId};
 use crate::device::LaunchMode;
 use crate::device::{CudaDevice, GpuVec};
 use crate::error::CudaError;
-use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm};
+use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm, NORM_Q8, NORM_Q8K};
 use crate::kv::CudaKvStore;
 use crate::step::{self, Captured, CudaState, GraphBox};
 
@@ -119,9 +119,11 @@ struct PendingMm {
     out: (u64, usize),
 }
 
-/// A held-back norm (see `Cuda::pending_norm`): `out = rms_norm(x) * w`.
+/// A held-back norm (see `Cuda::pending_norm`): `out = rms_norm(x) * w`; with `y` (exact
+/// mode), first `x += y`.
 struct PendingNorm {
     x: (u64, usize),
+    y: Option<u64>,
     w: (u64, usize),
     eps: f32,
     out: (u64, usize),
@@ -555,16 +557,36 @@ impl<'a> Cuda<'a> {
 
     /// Launches a deferred norm.
     fn flush_norm(&mut self) {
+        self.flush_norm_kinds(NORM_Q8 | NORM_Q8K);
+    }
+
+    /// Launches a deferred norm, in exact mode quantizing its output only as `kinds` asks
+    /// (see [`CudaDevice::norm_kinds`]).
+    fn flush_norm_kinds(&mut self, kinds: u8) {
         if let Some(p) = self.pending_norm.take() {
-            // SAFETY: as in flush_mm: the buffers `rms_norm` was given, `out` sized.
+            // SAFETY: as in flush_mm: the buffers `rms_norm` was given (`y`: the live buffer
+            // `add` was given, of x's length), `out` sized.
             let r = unsafe {
                 let x = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
+                let y = p.y.map(|py| GpuVec::<f32>::borrowed(py, p.x.1));
                 let w = GpuVec::<f32>::borrowed(p.w.0, p.w.1);
                 let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
                 let dev = self.dev;
-                dev.add_rms_norm(&x, None, &w, p.eps, &mut out, Some(&mut self.st().s))
+                let s = Some(&mut self.st().s);
+                dev.add_rms_norm_for(&x, y.as_ref(), &w, p.eps, &mut out, s, kinds)
             };
             self.keep(r);
+        }
+    }
+
+    /// Before products `ws` of `x`: launches a deferred norm, in exact mode with only the
+    /// quantizations they take when `x` is its output.
+    fn flush_norm_for(&mut self, x: &GpuVec<f32>, ws: &[&CudaMatrix]) {
+        match &self.pending_norm {
+            Some(p) if self.dev.exact() && p.out == (x.ptr(), x.len()) => {
+                self.flush_norm_kinds(CudaDevice::norm_kinds(ws));
+            }
+            _ => self.flush_norm(),
         }
     }
 
@@ -576,6 +598,7 @@ impl<'a> Cuda<'a> {
         match &self.pending_norm {
             Some(p)
                 if p.out == (x.ptr(), x.len())
+                    && p.y.is_none()
                     && x.len() <= FOLD_MAX_COLS
                     && !outs.contains(&p.x.0) =>
             {
@@ -941,6 +964,26 @@ impl<'a> Backend for Cuda<'a> {
             self.st().s.acts_of = None;
             self.pending_norm = Some(PendingNorm {
                 x: (x.ptr(), x.len()),
+                y: None,
+                w: (w.ptr(), w.len()),
+                eps,
+                out: (out.ptr(), out.len()),
+            });
+            return;
+        }
+        if self.dev.exact()
+            && self.hook.is_none()
+            && x.len() == w.len()
+            && self.pending_rope.is_empty()
+        {
+            // held back until the op that reads it: products there say which quantizations
+            // of `out` they take (flush_norm_for)
+            let r = out.resize(dev, x.len());
+            self.keep(r);
+            self.st().s.acts_of = None;
+            self.pending_norm = Some(PendingNorm {
+                x: (x.ptr(), x.len()),
+                y,
                 w: (w.ptr(), w.len()),
                 eps,
                 out: (out.ptr(), out.len()),
@@ -996,7 +1039,7 @@ impl<'a> Backend for Cuda<'a> {
             });
             return Ok(());
         }
-        self.flush_norm();
+        self.flush_norm_for(x, &[w]);
         self.check()?;
         dev.matmul(w, x, out, &mut self.st().s).map_err(be_err)
     }
@@ -1027,7 +1070,7 @@ impl<'a> Backend for Cuda<'a> {
                 return dev.mmv1_job(ws, x, outs, 0, Some(&norm)).map_err(be_err);
             }
         }
-        self.flush_norm();
+        self.flush_norm_for(x, ws);
         self.check()?;
         dev.matmul_many(ws, x, outs, &mut self.st().s)
             .map_err(be_err)
@@ -1061,7 +1104,7 @@ impl<'a> Backend for Cuda<'a> {
                     .map_err(be_err);
             }
         }
-        self.flush_norm();
+        self.flush_norm_for(x, &[wg, wu]);
         self.check()?;
         if self.hook.is_none() {
             if let Some(r) = dev.glu_fused(act == Glu::Gelu, wg, wu, x, gate, &mut self.st().s) {

@@ -380,6 +380,37 @@ impl CudaDevice {
         self.exact.load(Ordering::Relaxed)
     }
 
+    /// Where the kernels were built with `RUSTORCH_CUDA_DEFS=RT_STAMP` (timing only): the
+    /// stamps noted since the last call, each (ns of `%globaltimer` when a block passed its
+    /// wait for the grid before, blocks in its grid, threads per block), in time order;
+    /// then forgets them. None in a normal build.
+    pub fn take_stamps(&self) -> Option<Vec<(u64, u32, u32)>> {
+        let stream = &self.stream;
+        let n = self._module.get_global("rt_nstamp", stream).ok()?;
+        let mut cnt = [0u32; 1];
+        // SAFETY: `rt_nstamp` is a u32 of the module (common.cuh, RT_STAMP)
+        let nv = unsafe { n.transmute::<u32>(1)? };
+        stream.memcpy_dtoh(&nv, &mut cnt).ok()?;
+        let all = self._module.get_global("rt_stamps", stream).ok()?;
+        let max = all.len() / 16;
+        let mut raw = vec![0u64; 2 * max];
+        // SAFETY: `rt_stamps` is 2 * RT_STAMP_MAX u64 of the module
+        let av = unsafe { all.transmute::<u64>(2 * max)? };
+        stream.memcpy_dtoh(&av, &mut raw).ok()?;
+        let mut nz = self._module.get_global("rt_nstamp", stream).ok()?;
+        // SAFETY: as above
+        let mut nzv = unsafe { nz.transmute_mut::<u32>(1)? };
+        stream.memcpy_htod(&[0u32], &mut nzv).ok()?;
+        stream.synchronize().ok()?;
+        let k = (cnt[0] as usize).min(max);
+        let mut v: Vec<(u64, u32, u32)> = raw[..2 * k]
+            .chunks_exact(2)
+            .map(|c| (c[0], c[1] as u32, (c[1] >> 32) as u32))
+            .collect();
+        v.sort_unstable();
+        Some(v)
+    }
+
     /// Buffers allocated or freed through this device so far (a dry run that allocates
     /// may have recorded addresses of buffers it then replaced; a graph recorded before a
     /// buffer was freed may point at it).

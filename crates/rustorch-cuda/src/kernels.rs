@@ -67,6 +67,9 @@ pub struct Arith {
     /// and cache write, the Q/K/V, gate/up, square, wider-than-tall and output products), to
     /// measure what each costs in a decode step.
     pub probe: u32,
+    /// Exact mode: every norm quantizes its output both ways, as before the norms learnt
+    /// which their products take (`RUSTORCH_CUDA_NORMQ=both`; for comparisons).
+    pub norm_both: bool,
 }
 
 /// See [`Arith::pdl`].
@@ -104,6 +107,7 @@ pub fn arith() -> Arith {
                     _ => 0,
                 })
                 .fold(0, |a, b| a | b),
+            norm_both: var("RUSTORCH_CUDA_NORMQ") == "both",
         }
     })
 }
@@ -228,6 +232,9 @@ pub struct Scratch {
     /// When the op that set `acts_of` (a fused norm) also left that buffer's Q8_K
     /// quantization in `eq`/`eds`: the tokens taking the 4x8 rule.
     eacts_of: Option<usize>,
+    /// Whether `aq`/`ads` hold `acts_of`'s 8-bit blocks (an exact-mode norm whose products
+    /// take only Q8_K leaves just those: [`CudaDevice::norm_kinds`]).
+    q8_ok: bool,
 }
 
 /// The activation format of an exact product ([`CudaDevice::set_exact`]) of weights of type `ty`.
@@ -254,6 +261,28 @@ fn exact_ok(w: &CudaMatrix) -> bool {
     exact_kind(w.ty).is_some() && (w.ty != GgmlType::Q4_K || w.n_rows.is_multiple_of(8))
 }
 
+/// What an exact-mode norm quantizes its output into: [`NORM_Q8`] blocks of 32 (legacy
+/// formats' products, and every product without an exact kernel), [`NORM_Q8K`] blocks of
+/// 256 (Q4_K, Q6_K); both where the products that read it are not known.
+pub const NORM_Q8: u8 = 1;
+pub const NORM_Q8K: u8 = 2;
+
+impl CudaDevice {
+    /// The quantizations an exact-mode norm's output needs when `ws` are the products that
+    /// read it next (a product finding one missing quantizes for itself).
+    pub fn norm_kinds(ws: &[&CudaMatrix]) -> u8 {
+        if arith().norm_both {
+            return NORM_Q8 | NORM_Q8K;
+        }
+        ws.iter().fold(0, |k, w| {
+            k | match exact_kind(w.ty) {
+                Some(ExactActs::Q8K) if exact_ok(w) => NORM_Q8K,
+                _ => NORM_Q8,
+            }
+        })
+    }
+}
+
 impl Scratch {
     /// Device addresses of the quantized activations the next product reads.
     fn acts(&self) -> (u64, u64) {
@@ -270,6 +299,7 @@ impl Scratch {
     fn claim_acts(&mut self, of: (u64, usize, usize), alt: bool) {
         self.acts_of = Some(of);
         self.eacts_of = None;
+        self.q8_ok = true;
         self.alt = alt;
     }
 }
@@ -574,7 +604,7 @@ impl CudaDevice {
         s: &mut Scratch,
     ) -> Result<()> {
         check_len("activations", x.len(), n_tok * n_cols)?;
-        if s.acts_of == Some((x.ptr(), x.len(), n_cols)) {
+        if s.acts_of == Some((x.ptr(), x.len(), n_cols)) && s.q8_ok {
             return Ok(());
         }
         s.acts_of = None;
@@ -1244,12 +1274,12 @@ impl CudaDevice {
         out: &mut GpuVec<f32>,
     ) -> Result<()> {
         out.resize(self, x.len())?;
-        self.norm_raw(x.ptr(), 0, x.len(), w, eps, out.ptr(), None)
+        self.norm_raw(x.ptr(), 0, x.len(), w, eps, out.ptr(), None, NORM_Q8)
     }
 
     /// `x = rms_norm(x) * w` in place.
     pub fn rms_norm_inplace(&self, x: &mut GpuVec<f32>, w: &GpuVec<f32>, eps: f32) -> Result<()> {
-        self.norm_raw(x.ptr(), 0, x.len(), w, eps, x.ptr(), None)
+        self.norm_raw(x.ptr(), 0, x.len(), w, eps, x.ptr(), None, NORM_Q8)
     }
 
     /// One launch: `x += y` (when given), `out = rms_norm(x) * w` per row of `w.len()`
@@ -1265,6 +1295,22 @@ impl CudaDevice {
         out: &mut GpuVec<f32>,
         s: Option<&mut Scratch>,
     ) -> Result<()> {
+        self.add_rms_norm_for(x, y, w, eps, out, s, NORM_Q8 | NORM_Q8K)
+    }
+
+    /// [`CudaDevice::add_rms_norm`], in exact mode quantizing the output only into `kinds`
+    /// ([`CudaDevice::norm_kinds`]); other modes take [`NORM_Q8`] as always.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_for(
+        &self,
+        x: &GpuVec<f32>,
+        y: Option<&GpuVec<f32>>,
+        w: &GpuVec<f32>,
+        eps: f32,
+        out: &mut GpuVec<f32>,
+        s: Option<&mut Scratch>,
+        kinds: u8,
+    ) -> Result<()> {
         if let Some(y) = y {
             check_len("add", y.len(), x.len())?;
         }
@@ -1279,6 +1325,7 @@ impl CudaDevice {
             eps,
             out.ptr(),
             s,
+            kinds,
         )?;
         Ok(())
     }
@@ -1293,6 +1340,7 @@ impl CudaDevice {
         eps: f32,
         out: u64,
         s: Option<&mut Scratch>,
+        kinds: u8,
     ) -> Result<()> {
         let n = w.len();
         if n == 0 || !len.is_multiple_of(n) {
@@ -1310,13 +1358,16 @@ impl CudaDevice {
                 s.ads.resize(self, len / 32 * 2)?;
                 s.claim_acts((out, len, n), false);
                 let (mut eq, mut edq) = (0u64, 0u64);
-                if self.exact() && n.is_multiple_of(256) {
+                let exact = self.exact();
+                if exact && n.is_multiple_of(256) && kinds & NORM_Q8K != 0 {
                     s.eq.resize(self, len)?;
                     s.eds.resize(self, len / 256)?;
                     s.eacts_of = Some(n_4x8);
                     (eq, edq) = (s.eq.ptr(), s.eds.ptr());
                 }
-                (s.aq.ptr(), s.ads.ptr(), 1i32, eq, edq)
+                // (exact mode: the 8-bit blocks only where a product takes them)
+                s.q8_ok = !exact || kinds & NORM_Q8 != 0 || eq == 0;
+                (s.aq.ptr(), s.ads.ptr(), i32::from(s.q8_ok), eq, edq)
             }
             None => (0u64, 0u64, 0i32, 0u64, 0u64),
         };

@@ -16,10 +16,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
     let n: usize = args.get(2).map_or(Ok(256), |s| s.parse())?;
     let np: usize = args.get(3).map_or(Ok(16), |s| s.parse())?;
-    let model = Model::load_on(Arc::new(GgufFile::open(&path)?), Placement::Cuda(0), np + n)?;
+    let model = Model::load_on(
+        Arc::new(GgufFile::open(&path)?),
+        Placement::Cuda(0),
+        np + n + 4,
+    )?;
     let rt = Runtime::new(1);
     let nv = model.hparams().n_vocab;
-    let mut cache = model.new_cache(np + n);
+    let mut cache = model.new_cache(np + n + 4);
     let prompt: Vec<u32> = (0..np as u32).map(|i| 100 + 7 * i).collect();
     let mut out = model.forward(&Batch::from_prompt(&prompt, 0, 0, false), &mut cache, &rt)?;
     let argmax = |x: &[f32]| (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b });
@@ -53,5 +57,53 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         per(st.capture_ns, before.capture_ns),
         per(st.replay_ns, before.replay_ns)
     );
+    // with kernels built with RUSTORCH_CUDA_DEFS=RT_STAMP and RUSTORCH_STAMP_OUT=FILE: the
+    // stamps of 4 more steps, one line per grid (start µs from the first, µs to the next
+    // grid's start, µs from its first to its last block's start, blocks, threads)
+    if let Ok(file) = std::env::var("RUSTORCH_STAMP_OUT") {
+        model
+            .cuda_stamps()
+            .ok_or("no stamps: kernels built without RT_STAMP")?;
+        for s in 0..4 {
+            let t = argmax(out.last(nv).ok_or("logits")?) as u32;
+            let mut b = Batch::new();
+            b.push(t, (np + n + s) as u32, 0, true);
+            out = model.forward(&b, &mut cache, &rt)?;
+        }
+        let st = model.cuda_stamps().ok_or("stamps")?;
+        let mut grids: Vec<(u64, u64, u32, u32)> = Vec::new();
+        let mut left = 0u32;
+        for &(t, g, b) in &st {
+            match grids.last_mut() {
+                Some(last) if left > 0 && last.2 == g && last.3 == b => {
+                    last.1 = t;
+                    left -= 1;
+                }
+                _ => {
+                    grids.push((t, t, g, b));
+                    left = g.saturating_sub(1);
+                }
+            }
+        }
+        let t0 = grids.first().map_or(0, |g| g.0);
+        let mut text = String::new();
+        for (i, g) in grids.iter().enumerate() {
+            let next = grids.get(i + 1).map_or(g.1, |n| n.0);
+            text.push_str(&format!(
+                "{:.3} {:.3} {:.3} {} {}\n",
+                (g.0 - t0) as f64 / 1e3,
+                (next - g.0) as f64 / 1e3,
+                (g.1 - g.0) as f64 / 1e3,
+                g.2,
+                g.3
+            ));
+        }
+        std::fs::write(&file, text)?;
+        println!(
+            "{} blocks in {} grids written to {file}",
+            st.len(),
+            grids.len()
+        );
+    }
     Ok(())
 }

@@ -866,6 +866,16 @@ impl Model {
         self.with_cuda_state(|s| s.graph_stats())
     }
 
+    /// On the GPU, with kernels built with `RUSTORCH_CUDA_DEFS=RT_STAMP` (timing only): when
+    /// each block since the last call passed its wait, with its grid's and block's sizes
+    /// (see `CudaDevice::take_stamps`).
+    pub fn cuda_stamps(&self) -> Option<Vec<(u64, u32, u32)>> {
+        match &self.placed {
+            Placed::Cuda(c) => c.dev.take_stamps(),
+            Placed::Cpu(_) => None,
+        }
+    }
+
     /// On the GPU with `RUSTORCH_CUDA_MEGA=1`: whether decode steps may run as one
     /// persistent kernel or replay CUDA graphs; nothing otherwise.
     pub fn set_cuda_megakernel(&self, on: bool) {
