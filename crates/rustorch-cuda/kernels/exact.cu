@@ -857,11 +857,17 @@ MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)
 MMVD_LEGACY(q8_0, FQ8_0, false)
 
-#define MMVD_COOP(NAME, P)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128)                                       \
+#define MMVD_COOP(NAME, P, BOUNDS)                                                           \
+    extern "C" __global__ void BOUNDS                                                       \
         mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                 \
         mmvd_coop_kernel<P>(j, aq, dq, n_cols, cap);                                        \
     }
-MMVD_COOP(q4_k, CoopQ4K)
-MMVD_COOP(q6_k, CoopQ6K)
+// (MMVD_Q4K_MINB=N: Q4_K's blocks of 128 held N to a multiprocessor, the compiler keeping to
+// 65536 / (128 N) registers a thread: fewer waves for the gate/up product's 2816 blocks)
+#ifdef MMVD_Q4K_MINB
+MMVD_COOP(q4_k, CoopQ4K, __launch_bounds__(128, MMVD_Q4K_MINB))
+#else
+MMVD_COOP(q4_k, CoopQ4K, __launch_bounds__(128))
+#endif
+MMVD_COOP(q6_k, CoopQ6K, __launch_bounds__(128))
