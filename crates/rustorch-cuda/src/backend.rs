@@ -573,7 +573,7 @@ impl<'a> Cuda<'a> {
                 let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
                 let dev = self.dev;
                 let s = Some(&mut self.st().s);
-                dev.add_rms_norm_for(&x, y.as_ref(), &w, p.eps, &mut out, s, kinds)
+                dev.add_rms_norm(&x, y.as_ref(), &w, p.eps, &mut out, s, kinds)
             };
             self.keep(r);
         }
@@ -996,9 +996,17 @@ impl<'a> Backend for Cuda<'a> {
             Some(py) => {
                 // SAFETY: `py` is the live buffer `add` was given, of x's length.
                 let yv = unsafe { GpuVec::<f32>::borrowed(py, x.len()) };
-                dev.add_rms_norm(x, Some(&yv), w, eps, out, Some(&mut st.s))
+                dev.add_rms_norm(
+                    x,
+                    Some(&yv),
+                    w,
+                    eps,
+                    out,
+                    Some(&mut st.s),
+                    NORM_Q8 | NORM_Q8K,
+                )
             }
-            None => dev.add_rms_norm(x, None, w, eps, out, Some(&mut st.s)),
+            None => dev.add_rms_norm(x, None, w, eps, out, Some(&mut st.s), NORM_Q8 | NORM_Q8K),
         };
         self.keep(r);
     }

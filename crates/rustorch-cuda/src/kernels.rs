@@ -1284,24 +1284,11 @@ impl CudaDevice {
 
     /// One launch: `x += y` (when given), `out = rms_norm(x) * w` per row of `w.len()`
     /// values, and with `s` (rows a multiple of 32 wide) `out` quantized into `s` for the
-    /// next product of `out`, which then skips its own quantization. `x` is changed
+    /// next product of `out`, which then skips its own quantization: in exact mode only
+    /// into `kinds` ([`CudaDevice::norm_kinds`]; [`NORM_Q8`] in other modes). `x` is changed
     /// through its address (the caller owns it).
-    pub fn add_rms_norm(
-        &self,
-        x: &GpuVec<f32>,
-        y: Option<&GpuVec<f32>>,
-        w: &GpuVec<f32>,
-        eps: f32,
-        out: &mut GpuVec<f32>,
-        s: Option<&mut Scratch>,
-    ) -> Result<()> {
-        self.add_rms_norm_for(x, y, w, eps, out, s, NORM_Q8 | NORM_Q8K)
-    }
-
-    /// [`CudaDevice::add_rms_norm`], in exact mode quantizing the output only into `kinds`
-    /// ([`CudaDevice::norm_kinds`]); other modes take [`NORM_Q8`] as always.
     #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm_for(
+    pub fn add_rms_norm(
         &self,
         x: &GpuVec<f32>,
         y: Option<&GpuVec<f32>>,
