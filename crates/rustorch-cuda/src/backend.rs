@@ -955,60 +955,28 @@ impl<'a> Backend for Cuda<'a> {
                 None
             }
         };
-        let dev = self.dev;
-        // (not while rotations wait for the attention: they come first in program order)
-        if y.is_none() && self.fold_ok() && x.len() == w.len() && self.pending_rope.is_empty() {
-            // held back: a float product of `out` may compute it (take_norm_of)
-            let r = out.resize(dev, x.len());
-            self.keep(r);
-            self.st().s.acts_of = None;
-            self.pending_norm = Some(PendingNorm {
-                x: (x.ptr(), x.len()),
-                y: None,
-                w: (w.ptr(), w.len()),
-                eps,
-                out: (out.ptr(), out.len()),
-            });
-            return;
-        }
-        if self.dev.exact()
-            && self.hook.is_none()
-            && x.len() == w.len()
+        // held back (not while rotations wait for the attention: they come first in program
+        // order): a float product of `out` may compute it (take_norm_of); in exact mode the
+        // products that read it say which quantizations of `out` they take (flush_norm_for)
+        let hold = x.len() == w.len()
             && self.pending_rope.is_empty()
-        {
-            // held back until the op that reads it: products there say which quantizations
-            // of `out` they take (flush_norm_for)
-            let r = out.resize(dev, x.len());
-            self.keep(r);
-            self.st().s.acts_of = None;
-            self.pending_norm = Some(PendingNorm {
-                x: (x.ptr(), x.len()),
-                y,
-                w: (w.ptr(), w.len()),
-                eps,
-                out: (out.ptr(), out.len()),
-            });
+            && ((y.is_none() && self.fold_ok()) || (self.dev.exact() && self.hook.is_none()));
+        let dev = self.dev;
+        if let Err(e) = out.resize(dev, x.len()) {
+            self.keep(Err(e));
             return;
         }
-        let st = self.st();
-        st.s.acts_of = None;
-        let r = match y {
-            Some(py) => {
-                // SAFETY: `py` is the live buffer `add` was given, of x's length.
-                let yv = unsafe { GpuVec::<f32>::borrowed(py, x.len()) };
-                dev.add_rms_norm(
-                    x,
-                    Some(&yv),
-                    w,
-                    eps,
-                    out,
-                    Some(&mut st.s),
-                    NORM_Q8 | NORM_Q8K,
-                )
-            }
-            None => dev.add_rms_norm(x, None, w, eps, out, Some(&mut st.s), NORM_Q8 | NORM_Q8K),
-        };
-        self.keep(r);
+        self.st().s.acts_of = None;
+        self.pending_norm = Some(PendingNorm {
+            x: (x.ptr(), x.len()),
+            y,
+            w: (w.ptr(), w.len()),
+            eps,
+            out: (out.ptr(), out.len()),
+        });
+        if !hold {
+            self.flush_norm();
+        }
     }
 
     fn rms_norm_inplace(&mut self, x: &mut GpuVec<f32>, w: &GpuVec<f32>, eps: f32) {

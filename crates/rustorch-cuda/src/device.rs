@@ -386,21 +386,18 @@ impl CudaDevice {
     /// then forgets them. None in a normal build.
     pub fn take_stamps(&self) -> Option<Vec<(u64, u32, u32)>> {
         let stream = &self.stream;
-        let n = self._module.get_global("rt_nstamp", stream).ok()?;
-        let mut cnt = [0u32; 1];
+        let mut n = self._module.get_global("rt_nstamp", stream).ok()?;
         // SAFETY: `rt_nstamp` is a u32 of the module (common.cuh, RT_STAMP)
-        let nv = unsafe { n.transmute::<u32>(1)? };
+        let mut nv = unsafe { n.transmute_mut::<u32>(1)? };
+        let mut cnt = [0u32; 1];
         stream.memcpy_dtoh(&nv, &mut cnt).ok()?;
+        stream.memcpy_htod(&[0u32], &mut nv).ok()?;
         let all = self._module.get_global("rt_stamps", stream).ok()?;
         let max = all.len() / 16;
         let mut raw = vec![0u64; 2 * max];
         // SAFETY: `rt_stamps` is 2 * RT_STAMP_MAX u64 of the module
         let av = unsafe { all.transmute::<u64>(2 * max)? };
         stream.memcpy_dtoh(&av, &mut raw).ok()?;
-        let mut nz = self._module.get_global("rt_nstamp", stream).ok()?;
-        // SAFETY: as above
-        let mut nzv = unsafe { nz.transmute_mut::<u32>(1)? };
-        stream.memcpy_htod(&[0u32], &mut nzv).ok()?;
         stream.synchronize().ok()?;
         let k = (cnt[0] as usize).min(max);
         let mut v: Vec<(u64, u32, u32)> = raw[..2 * k]
