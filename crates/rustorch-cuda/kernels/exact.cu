@@ -551,110 +551,6 @@ extern "C" __global__ void rope_table(const u32 *__restrict__ pos, const float *
 // group, all decoding a whole row's groups in one round, then warp 0 walking the chains.
 // The legacy formats' weights are prefetched into L2 before the PDL wait (see mmvd_rows).
 
-// An RMSNorm folded into the one-token exact product that reads its output (nx given):
-// instead of a norm launch before the product, every block computes h = rms_norm(nx) * nw
-// with the rms_norm kernel's arithmetic (squares rounded to f32 and summed in f64, then
-// (x * scale) * w) and quantizes it as the CPU does into shared memory: codes at sq, and
-// per block of 32 (Q8: quantize_lane's cpu rule) d and s as float2, or per block of 256
-// (Q8_K: q8k_warp's rule without the 4x8 one) d, at sds. Block 0 also stores h to hout.
-// Each thread takes FOLD_VALS consecutive values per round (a Q8 block is a pair of
-// threads, a Q8_K block 16); n a multiple of 32 (Q8) or 256 (Q8_K), blockDim a multiple of
-// 32 up to 1024. Every thread of the block must call it; the codes are visible to all on
-// return.
-#define FOLD_VALS 16
-// Shared bytes of the fold's codes and scales for rows of n (16-byte aligned).
-__device__ __forceinline__ int exact_fold_bytes(int n, bool q8) {
-    return (n + (q8 ? (n >> 5) * 8 : (n >> 8) * 4) + 15) & ~15;
-}
-template <bool Q8>
-__device__ __forceinline__ void exact_fold(const float *nx, const float *__restrict__ nw, float eps,
-                                        float *hout, int n, i8 *sq, float *sds) {
-    __shared__ double fold_ss[32];
-    const int tid = threadIdx.x, lane = tid & 31, step = FOLD_VALS * blockDim.x;
-    // rows of at most one round keep their values in registers between the two passes
-    const bool one = n <= step;
-    float4 r[4];
-    double s = 0.0;
-    for (int b = FOLD_VALS * tid; b < n; b += step) {
-        const float4 *x4 = (const float4 *)(nx + b);
-#pragma unroll
-        for (int k = 0; k < 4; k++) r[k] = x4[k];
-#pragma unroll
-        for (int k = 0; k < 4; k++) add_sq4(s, r[k]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-    if (lane == 0) fold_ss[tid >> 5] = s;
-    __syncthreads();
-    double tot = 0.0;
-    for (int k = 0; k < (int)(blockDim.x >> 5); k++) tot += fold_ss[k];
-    const float mean = (float)(tot / (double)n);
-    const float scale = 1.0f / sqrtf(mean + eps);
-    for (int r0 = 0; r0 < n; r0 += step) {
-        const int b = r0 + FOLD_VALS * tid;
-        const bool in = b < n;
-        float o[FOLD_VALS];
-        if (in) {
-            const float4 *x4 = (const float4 *)(nx + b), *w4 = (const float4 *)(nw + b);
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float4 h = norm4(one ? r[k] : x4[k], scale, w4[k]);
-                o[4 * k] = h.x, o[4 * k + 1] = h.y, o[4 * k + 2] = h.z, o[4 * k + 3] = h.w;
-                if (hout != nullptr && blockIdx.x == 0) ((float4 *)(hout + b))[k] = h;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < FOLD_VALS; i++) o[i] = 0.0f;
-        }
-        float am = 0.0f;
-#pragma unroll
-        for (int i = 0; i < FOLD_VALS; i++) am = fmaxf(am, fabsf(o[i]));
-        u32 pk[4] = {0u, 0u, 0u, 0u};
-        if (Q8) {
-            // a block of 32: this thread and its neighbour tid ^ 1
-            am = fmaxf(am, __shfl_xor_sync(FULL_MASK, am, 1));
-            const float d = __fdiv_rn(am, 127.0f);
-            const float id = am != 0.0f ? __fdiv_rn(127.0f, am) : 0.0f;
-            int qs = 0;
-#pragma unroll
-            for (int i = 0; i < FOLD_VALS; i++) {
-                const int q = min(127, max(-128, __float2int_rn(__fmul_rn(o[i], id))));
-                qs += q;
-                pk[i >> 2] |= (u32)(q & 0xff) << (8 * (i & 3));
-            }
-            qs += __shfl_xor_sync(FULL_MASK, qs, 1);
-            if (in && (tid & 1) == 0)
-                ((float2 *)sds)[b >> 5] =
-                    make_float2(h2f(f2h(d)), h2f(f2h(__fmul_rn(d, (float)qs))));
-        } else {
-            // a block of 256: 16 threads; max = its first value of largest magnitude
-#pragma unroll
-            for (int off = 8; off > 0; off >>= 1)
-                am = fmaxf(am, __shfl_xor_sync(FULL_MASK, am, off));
-            int first = 0x7fffffff;
-            float fv = 0.0f;
-#pragma unroll
-            for (int i = FOLD_VALS - 1; i >= 0; i--)
-                if (fabsf(o[i]) == am) first = b + i, fv = o[i];
-#pragma unroll
-            for (int off = 8; off > 0; off >>= 1) {
-                const int of = __shfl_xor_sync(FULL_MASK, first, off);
-                const float ov = __shfl_xor_sync(FULL_MASK, fv, off);
-                if (of < first) first = of, fv = ov;
-            }
-            const float iscale = am != 0.0f ? __fdiv_rn(-127.0f, fv) : 0.0f;
-#pragma unroll
-            for (int i = 0; i < FOLD_VALS; i++) {
-                const int q = min(127, max(-128, __float2int_rn(__fmul_rn(iscale, o[i]))));
-                pk[i >> 2] |= (u32)(q & 0xff) << (8 * (i & 3));
-            }
-            if (in && (tid & 15) == 0) sds[b >> 8] = am != 0.0f ? __fdiv_rn(1.0f, iscale) : 0.0f;
-        }
-        if (in) *(int4 *)(sq + b) = make_int4((int)pk[0], (int)pk[1], (int)pk[2], (int)pk[3]);
-    }
-    __syncthreads();
-}
-
 // Row rr (0..3) of group gw (default: this warp's; the cooperative kernels pass their block's):
 // its matrix m and row wi; false past the last row.
 __device__ __forceinline__ bool mmvd_row_of(const MmvJob &j, int rr, int &m, int &wi,
@@ -681,11 +577,7 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
             j.out[0][t * j.rows[0] + wi] = swiglu_cpu(v, u, wi, j.rows[0]);
         return;
     }
-    if (has && lead) {
-        const size_t o = t * job_rows(j, m) + wi;
-        job_out(j, m)[o] = v;
-        if (j.acc != nullptr) j.acc[o] = __fadd_rn(j.acc[o], v);  // (one matrix)
-    }
+    if (has && lead) job_out(j, m)[t * job_rows(j, m) + wi] = v;
 }
 
 // One thread's walk of n staged sums sp (lane-major, 16-byte aligned) with their factors dp:
@@ -782,21 +674,9 @@ __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, con
     }
 }
 
-// The products' folded norm (see exact_fold): the `_f` kernels compute their activations
-// into dynamic shared memory (exact_fold_bytes of it, first) instead of reading aq / scales.
-// (Separate kernels, not a run-time choice: the others keep their global loads' codegen.)
-struct FoldArgs {
-    const float *nx, *nw;
-    float eps;
-    float *hout;
-};
-#define FOLD_PARAMS const float *nx, const float *nw, float eps, float *hout
-#define FOLD_ARGS FoldArgs{nx, nw, eps, hout}
-
-template <class F, bool MIN, bool FOLD>
+template <class F, bool MIN>
 __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq,
-                                                   const float2 *ads, int n_cols,
-                                                   const FoldArgs &fa) {
+                                                   const float2 *ads, int n_cols) {
     __shared__ R4Smem<MIN> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
@@ -805,16 +685,8 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     int m, wi;
     const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);
     const size_t t = blockIdx.y;
-    float v;
-    if constexpr (FOLD) {
-        extern __shared__ int4 fold_dyn[];
-        i8 *sq = (i8 *)fold_dyn;
-        float *sds = (float *)(sq + n_cols);
-        exact_fold<true>(fa.nx, fa.nw, fa.eps, fa.hout, n_cols, sq, sds);
-        v = mmvd_legacy<F, MIN>(wp, sq, (const float2 *)sds, nb, smem[threadIdx.x >> 5]);
-    } else {
-        v = mmvd_legacy<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb, smem[threadIdx.x >> 5]);
-    }
+    const float v = mmvd_legacy<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb,
+                                        smem[threadIdx.x >> 5]);
     mmvd_store(j, m, wi, has, v);
 }
 
@@ -893,16 +765,14 @@ struct CoopQ4K {
     }
 };
 
-template <class P, bool FOLD>
+template <class P>
 __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const void *__restrict__ scales, int n_cols,
-                                                 int cap, const FoldArgs &fa) {
+                                                 int cap) {
     extern __shared__ int4 dyn[];
     constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
     const int C = cap + 4, CS = cap / GPB + 4;
-    // (with a folded norm, its activations first: blocks of 32 for the legacy formats)
-    const int fb = FOLD ? exact_fold_bytes(n_cols, GPB == 1) : 0;
-    int *si = (int *)((char *)dyn + fb);       // [4][L][C]
+    int *si = (int *)dyn;                      // [4][L][C]
     float *dd = (float *)(si + 4 * L * C);     // [4][DL][CS]
     float2 *mm = (float2 *)(dd + 4 * DL * CS); // [4][cap] (P::MIN)
     // (cap: a multiple of 8, so every 16-byte shared load is aligned and a round holds
@@ -916,13 +786,6 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     const i8 *a = aq + t * n_cols;
     const void *sc = GPB == 8 ? (const void *)((const float *)scales + t * (ng >> 3))
                               : (const void *)((const float2 *)scales + t * ng);
-    if constexpr (FOLD) {
-        i8 *sq = (i8 *)dyn;
-        float *sds = (float *)(sq + n_cols);
-        exact_fold<GPB == 1>(fa.nx, fa.nw, fa.eps, fa.hout, n_cols, sq, sds);
-        a = sq;
-        sc = sds;
-    }
     const int lane = tid & 31, r = lane >> 3, l = lane & 7;
     float acc = 0.0f, summs = 0.0f;
     for (int g0 = 0; g0 < ng; g0 += cap) {
@@ -977,39 +840,29 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     mmvd_store(j, m, wi, has, v);
 }
 
-// (each also as `_f`: with a folded norm, see mmvd_legacy_kernel)
-#define MMVD_LEGACY_K(NAME, F, MIN, FOLD)                                                     \
+#define MMVD_LEGACY(NAME, F, MIN)                                                             \
     extern "C" __global__ void __launch_bounds__(128)                                         \
-        mmvd_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int,               \
-                    FOLD_PARAMS) {                                                            \
+        mmvd_##NAME(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int) {             \
         PDL_ENTRY_INSIDE();                                                                   \
-        mmvd_legacy_kernel<F, MIN, FOLD>(j, aq, ads, n_cols, FOLD_ARGS);                      \
+        mmvd_legacy_kernel<F, MIN>(j, aq, ads, n_cols);                                       \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                         \
-        mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap,       \
-                        FOLD_PARAMS) {                                                        \
+        mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                   \
-        mmvd_coop_kernel<CoopLegacy<F, MIN>, FOLD>(j, aq, ads, n_cols, cap, FOLD_ARGS);       \
+        mmvd_coop_kernel<CoopLegacy<F, MIN>>(j, aq, ads, n_cols, cap);                        \
     }
-#define MMVD_LEGACY(NAME, F, MIN)           \
-    MMVD_LEGACY_K(NAME, F, MIN, false)      \
-    MMVD_LEGACY_K(NAME##_f, F, MIN, true)
 MMVD_LEGACY(q4_0, FQ4_0, false)
 MMVD_LEGACY(q4_1, FQ4_1, true)
 MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)
 MMVD_LEGACY(q8_0, FQ8_0, false)
 
-#define MMVD_COOP_K(NAME, P, BOUNDS, FOLD)                                                 \
+#define MMVD_COOP(NAME, P, BOUNDS)                                                           \
     extern "C" __global__ void BOUNDS                                                       \
-        mmvd_##NAME(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap,           \
-                    FOLD_PARAMS) {                                                          \
+        mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap) {     \
         PDL_ENTRY_INSIDE();                                                                 \
-        mmvd_coop_kernel<P, FOLD>(j, aq, dq, n_cols, cap, FOLD_ARGS);                       \
+        mmvd_coop_kernel<P>(j, aq, dq, n_cols, cap);                                        \
     }
-#define MMVD_COOP(NAME, P, BOUNDS)                 \
-    MMVD_COOP_K(NAME##_c, P, BOUNDS, false)        \
-    MMVD_COOP_K(NAME##_f_c, P, BOUNDS, true)
 // (MMVD_Q4K_MINB=N: Q4_K's blocks of 128 held N to a multiprocessor, the compiler keeping to
 // 65536 / (128 N) registers a thread: fewer waves for the gate/up product's 2816 blocks)
 #ifdef MMVD_Q4K_MINB

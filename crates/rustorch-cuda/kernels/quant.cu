@@ -431,9 +431,6 @@ struct MmvJob {
     int n;
     int glu;
     int pad;
-    // (exact one-token products, one matrix, no glu: also acc[row] += its value, the
-    // residual add that follows the product)
-    float *acc;
 };
 
 // Matrix m's fields by selects, not by indexing: indexing the parameter with a run-time m

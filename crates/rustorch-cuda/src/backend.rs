@@ -481,45 +481,6 @@ impl<'a> Cuda<'a> {
         self.hook.is_none() && crate::kernels::fold_enabled() && !a.mega && !self.dev.exact()
     }
 
-    /// Whether exact mode's one-token products may compute the norm they read and add their
-    /// rows into the residual (no hook, not the persistent kernel; `RUSTORCH_CUDA_FOLD=0`
-    /// turns it off).
-    fn exact_fold_on(&self) -> bool {
-        let a = crate::kernels::arith();
-        self.hook.is_none() && crate::kernels::fold_enabled() && !a.mega && self.dev.exact()
-    }
-
-    /// Exact mode: the deferred norm as a [`FoldNorm`] when `x` is its output and exact
-    /// products `ws` of one token can compute it in each block (it then counts as
-    /// launched); else None, the norm still deferred. Not where the products write the
-    /// norm's input (`outs`) or where it adds a residual first.
-    fn take_exact_norm(
-        &mut self,
-        x: &GpuVec<f32>,
-        ws: &[&CudaMatrix],
-        outs: &[u64],
-    ) -> Option<FoldNorm> {
-        let p = self.pending_norm.as_ref()?;
-        let rows: usize = ws.iter().map(|w| w.n_rows).sum();
-        let ok = self.exact_fold_on()
-            && p.out == (x.ptr(), x.len())
-            && p.y.is_none()
-            && !outs.contains(&p.x.0)
-            && rows <= FOLD_MAX_ROWS
-            && self.dev.exact_fold_ok(ws, x.len());
-        if !ok {
-            return None;
-        }
-        let p = self.pending_norm.take()?;
-        self.st().s.acts_of = None;
-        Some(FoldNorm {
-            x: p.x.0,
-            w: p.w.0,
-            eps: p.eps,
-            h: p.out.0,
-        })
-    }
-
     /// [`Backend::rope_angles`] with the host's angles (`RUSTORCH_CUDA_EXACT=1`): looked up
     /// in a table of every position so far, made on the host (glibc's cosf and sinf, as the
     /// CPU backend) and grown, outside recorded steps, when a position passes its end.
@@ -1054,24 +1015,6 @@ impl<'a> Backend for Cuda<'a> {
             });
             return Ok(());
         }
-        if let Some(norm) = self.take_exact_norm(x, &[w], &[out.ptr()]) {
-            self.check()?;
-            return dev
-                .mmv_exact_fold(&[w], x, &mut [out], false, &norm, &mut self.st().s)
-                .map_err(be_err);
-        }
-        if self.exact_fold_on() && dev.exact_acc_ok(w, x.len()) {
-            // exact mode, held back likewise (the product's own kernel adds)
-            self.flush_norm_for(x, &[w]);
-            self.check()?;
-            out.resize(dev, w.n_rows).map_err(be_err)?;
-            self.pending_mm = Some(PendingMm {
-                w: w as *const CudaMatrix,
-                x: (x.ptr(), x.len()),
-                out: (out.ptr(), out.len()),
-            });
-            return Ok(());
-        }
         self.flush_norm_for(x, &[w]);
         self.check()?;
         dev.matmul(w, x, out, &mut self.st().s).map_err(be_err)
@@ -1101,19 +1044,6 @@ impl<'a> Backend for Cuda<'a> {
             if let Some(norm) = self.take_norm_of(x, &out_ptrs[..outs.len()]) {
                 self.check()?;
                 return dev.mmv1_job(ws, x, outs, 0, Some(&norm)).map_err(be_err);
-            }
-        }
-        let mut out_ptrs = [0u64; 3];
-        for (d, o) in out_ptrs.iter_mut().zip(outs.iter()) {
-            *d = o.ptr();
-        }
-        let n_out = outs.len().min(3);
-        if outs.len() == ws.len() {
-            if let Some(norm) = self.take_exact_norm(x, ws, &out_ptrs[..n_out]) {
-                self.check()?;
-                return dev
-                    .mmv_exact_fold(ws, x, outs, false, &norm, &mut self.st().s)
-                    .map_err(be_err);
             }
         }
         self.flush_norm_for(x, ws);
@@ -1147,15 +1077,6 @@ impl<'a> Backend for Cuda<'a> {
                 let glu = 1 + i32::from(act == Glu::Gelu);
                 return dev
                     .mmv1_job(&[wg, wu], x, &mut [gate, &mut spare], glu, Some(&norm))
-                    .map_err(be_err);
-            }
-        }
-        let pair = act == Glu::Silu && wg.ty == wu.ty && wg.n_rows == wu.n_rows;
-        if pair {
-            if let Some(norm) = self.take_exact_norm(x, &[wg, wu], &[gate.ptr(), up.ptr()]) {
-                self.check()?;
-                return dev
-                    .mmv_exact_fold(&[wg, wu], x, &mut [gate], true, &norm, &mut self.st().s)
                     .map_err(be_err);
             }
         }
@@ -1200,24 +1121,6 @@ impl<'a> Backend for Cuda<'a> {
                 self.flush_norm();
                 self.flush_add();
                 self.flush_rope();
-                if self.dev.exact() {
-                    // SAFETY: as in flush_mm.
-                    let r = unsafe {
-                        let xin = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
-                        let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
-                        let dev = self.dev;
-                        let s = &mut self.st().s;
-                        match dev.matmul_exact_acc(&*p.w, &xin, &mut out, x, s) {
-                            Some(r) => r,
-                            None => dev
-                                .matmul(&*p.w, &xin, &mut out, s)
-                                .and_then(|_| dev.add(x, y)),
-                        }
-                    };
-                    self.st().s.acts_of = None;
-                    self.keep(r);
-                    return;
-                }
                 self.st().s.acts_of = None;
                 // SAFETY: as in flush_mm.
                 let r = unsafe {

@@ -181,10 +181,8 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("mmve_{s}"));
             v.push(format!("mmve_{s}_l"));
             v.push(format!("mmvd_{s}_c"));
-            v.push(format!("mmvd_{s}_f_c"));
             if !matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
                 v.push(format!("mmvd_{s}"));
-                v.push(format!("mmvd_{s}_f"));
             }
         }
     }
@@ -263,48 +261,6 @@ fn exact_ok(w: &CudaMatrix) -> bool {
     exact_kind(w.ty).is_some() && (w.ty != GgmlType::Q4_K || w.n_rows.is_multiple_of(8))
 }
 
-/// What an exact product does besides its product (one token, `mmvd_*` kernels): compute
-/// the norm it reads in each block (`fold`: the `mmvd_*_f*` kernels), or add its one matrix's
-/// rows into `acc` (an address, 0 for none) as it stores them.
-#[derive(Default, Clone, Copy)]
-struct ExactExtra<'a> {
-    fold: Option<&'a FoldNorm>,
-    acc: u64,
-}
-
-/// Shared bytes of a folded norm's activations for rows of `n` (kernels/exact.cu's
-/// `exact_fold_bytes`): the codes, then per block of 32 (d, s) or per 256 d.
-fn fold_bytes(n: usize, kind: ExactActs) -> usize {
-    let scales = match kind {
-        ExactActs::Q8 => n / 32 * 8,
-        ExactActs::Q8K => n / 256 * 4,
-    };
-    (n + scales).next_multiple_of(16)
-}
-
-/// Groups of 32 per round of a cooperative exact product (`mmvd_*_c`) of rows of `n_cols`.
-fn coop_cap(n_cols: usize) -> usize {
-    (n_cols / 32).next_multiple_of(8).min(MMVD_CAP)
-}
-
-/// Dynamic shared bytes of a cooperative exact product of `ty` (kernels/exact.cu's
-/// mmvd_coop_kernel: the staged sums, the steps' factors, the minimum terms, and with `fold`
-/// the folded norm's activations first).
-fn coop_smem(ty: GgmlType, n_cols: usize, fold: bool) -> usize {
-    let cap = coop_cap(n_cols);
-    let (lanes, dl, gpb) = match ty {
-        GgmlType::Q4_K => (2, 2, 8),
-        GgmlType::Q6_K => (8, 1, 8),
-        _ => (8, 1, 1),
-    };
-    let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
-    let folded = match exact_kind(ty) {
-        Some(kind) if fold => fold_bytes(n_cols, kind),
-        _ => 0,
-    };
-    16 * lanes * (cap + 4) + 16 * dl * (cap / gpb + 4) + if min { 32 * cap } else { 0 } + folded
-}
-
 /// What an exact-mode norm quantizes its output into: [`NORM_Q8`] blocks of 32 (legacy
 /// formats' products, and every product without an exact kernel), [`NORM_Q8K`] blocks of
 /// 256 (Q4_K, Q6_K); both where the products that read it are not known.
@@ -358,11 +314,9 @@ struct MmvJob {
     n: i32,
     glu: i32,
     pad: i32,
-    /// (exact products: also `acc += out`, 0 for none)
-    acc: u64,
 }
 
-// SAFETY: plain old data laid out as the kernels' struct (no padding: 80 bytes).
+// SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
 unsafe impl cudarc::driver::DeviceRepr for MmvJob {}
 
 /// One query row's cells for [`CudaDevice::attention`]: the device address of their slots
@@ -709,7 +663,7 @@ impl CudaDevice {
         let n_tok = x.len() / n_cols;
         if self.exact() && ws.iter().any(|w| exact_ok(w)) {
             if ws.iter().all(|w| exact_ok(w)) {
-                return self.mmv_exact(ws, x, n_tok, outs, false, s, ExactExtra::default());
+                return self.mmv_exact(ws, x, n_tok, outs, false, s);
             }
             // the matrices with an exact product take it, the others the default kernels
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -745,7 +699,6 @@ impl CudaDevice {
     /// norm's), then `mmvd_*` for one to three tokens (four rows per group of eight-thread
     /// chains) or a warp per row and token (`mmve_*`), up to three matrices of one type per
     /// launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
-    #[allow(clippy::too_many_arguments)]
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
@@ -754,14 +707,9 @@ impl CudaDevice {
         outs: &mut [&mut GpuVec<f32>],
         glu: bool,
         s: &mut Scratch,
-        ex: ExactExtra<'_>,
     ) -> Result<()> {
         let n_cols = ws[0].n_cols;
         let nc = n_cols as i32;
-        // (the callers check these: exact_fold_ok, matmul_exact_acc)
-        let fold = ex.fold.filter(|_| n_tok == 1 && exact_direct());
-        let (nx, nw, eps, hp) = fold.map_or((0, 0, 0.0f32, 0), |f| (f.x, f.w, f.eps, f.h));
-        let fsuf = if fold.is_some() { "_f" } else { "" };
         let n_gemm = n_tok - n_tok % 4;
         let mut q8k_done: Option<usize> = None;
         let mut i = 0;
@@ -782,8 +730,6 @@ impl CudaDevice {
                 _ => (0, 0),
             };
             let (aq, ads) = match kind {
-                // (the folded norm's blocks compute their activations themselves)
-                _ if fold.is_some() => (0, 0),
                 ExactActs::Q8 if arith().q8_cpu => {
                     self.quantize_acts(x, n_tok, n_cols, s)?;
                     s.acts()
@@ -812,11 +758,6 @@ impl CudaDevice {
             let mut job = MmvJob {
                 n: (k - i) as i32,
                 glu: i32::from(glu),
-                acc: if n_tok == 1 && !glu && ws.len() == 1 {
-                    ex.acc
-                } else {
-                    0
-                },
                 ..MmvJob::default()
             };
             for (m, w) in ws[i..k].iter().enumerate() {
@@ -842,29 +783,31 @@ impl CudaDevice {
                 let ng = n_cols / 32;
                 if kq || ng > exact_coop_min() {
                     // a block of four warps per four rows (mmvd_coop_kernel)
-                    let cap = coop_cap(n_cols);
-                    let smem = coop_smem(ty, n_cols, fold.is_some());
+                    let cap = ng.next_multiple_of(8).min(MMVD_CAP);
+                    let (lanes, dl, gpb) = match ty {
+                        GgmlType::Q4_K => (2, 2, 8),
+                        GgmlType::Q6_K => (8, 1, 8),
+                        _ => (8, 1, 1),
+                    };
+                    let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                    let smem = 16 * lanes * (cap + 4)
+                        + 16 * dl * (cap / gpb + 4)
+                        + if min { 32 * cap } else { 0 };
                     let capi = cap as i32;
                     self.launch_smem(
-                        &format!("mmvd_{st}{fsuf}_c"),
+                        &format!("mmvd_{st}_c"),
                         (blocks(rows, 4), n_tok as u32, 1),
                         128,
                         smem as u32,
-                        &[&job, &aq, &ads, &nc, &capi, &nx, &nw, &eps, &hp],
+                        &[&job, &aq, &ads, &nc, &capi],
                     )?;
                 } else {
                     // eight threads per row, four rows (glu: two gate/up pairs) per warp
-                    let smem = if fold.is_some() {
-                        fold_bytes(n_cols, kind)
-                    } else {
-                        0
-                    };
-                    self.launch_smem(
-                        &format!("mmvd_{st}{fsuf}"),
+                    self.launch(
+                        &format!("mmvd_{st}"),
                         (blocks(rows, 16), n_tok as u32, 1),
                         128,
-                        smem as u32,
-                        &[&job, &aq, &ads, &nc, &mode, &nx, &nw, &eps, &hp],
+                        &[&job, &aq, &ads, &nc, &mode],
                     )?;
                 }
                 i = k;
@@ -891,73 +834,6 @@ impl CudaDevice {
             i = k;
         }
         Ok(())
-    }
-
-    /// Whether exact products `ws` of one token of `n_cols` values can compute the norm they
-    /// read themselves ([`CudaDevice::mmv_exact_fold`]).
-    pub(crate) fn exact_fold_ok(&self, ws: &[&CudaMatrix], n_cols: usize) -> bool {
-        // (every block's shared memory under the default 48 KiB)
-        self.exact()
-            && exact_direct()
-            && arith().q8_cpu
-            && n_cols.is_multiple_of(32)
-            && ws.iter().all(|w| {
-                let kq = matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K);
-                exact_ok(w)
-                    && w.n_cols == n_cols
-                    && (!kq || n_cols.is_multiple_of(256))
-                    && if kq || n_cols / 32 > exact_coop_min() {
-                        coop_smem(w.ty, n_cols, true) <= 48 * 1024
-                    } else {
-                        n_cols + n_cols / 32 * 8 + 25 * 1024 <= 48 * 1024
-                    }
-            })
-    }
-
-    /// Exact products of one token `x` (`exact_fold_ok`) that is `norm`'s output, every
-    /// block computing the norm itself (block 0 also storing `x`) instead of reading its
-    /// quantization: saves the norm's launch. With `glu`, `outs[0] = silu(x·W0) ⊙ x·W1`.
-    pub(crate) fn mmv_exact_fold(
-        &self,
-        ws: &[&CudaMatrix],
-        x: &GpuVec<f32>,
-        outs: &mut [&mut GpuVec<f32>],
-        glu: bool,
-        norm: &FoldNorm,
-        s: &mut Scratch,
-    ) -> Result<()> {
-        check_len("activations", x.len(), ws[0].n_cols)?;
-        let ex = ExactExtra {
-            fold: Some(norm),
-            acc: 0,
-        };
-        self.mmv_exact(ws, x, 1, outs, glu, s, ex)
-    }
-
-    /// Whether `w`'s exact product of one token of `n` values can add its rows into the
-    /// residual ([`CudaDevice::matmul_exact_acc`]).
-    pub(crate) fn exact_acc_ok(&self, w: &CudaMatrix, n: usize) -> bool {
-        self.exact() && exact_direct() && exact_ok(w) && n == w.n_cols
-    }
-
-    /// One token's exact product `out = x·W` that also adds its rows into `acc` (the
-    /// residual add after it); None where `w` has no one-token exact kernel.
-    pub(crate) fn matmul_exact_acc(
-        &self,
-        w: &CudaMatrix,
-        x: &GpuVec<f32>,
-        out: &mut GpuVec<f32>,
-        acc: &GpuVec<f32>,
-        s: &mut Scratch,
-    ) -> Option<Result<()>> {
-        if !self.exact_acc_ok(w, x.len()) || acc.len() != w.n_rows {
-            return None;
-        }
-        let ex = ExactExtra {
-            fold: None,
-            acc: acc.ptr(),
-        };
-        Some(self.mmv_exact(&[w], x, 1, &mut [out], false, s, ex))
     }
 
     /// `x` quantized into `s.eq`/`s.eds` with the CPU's rule: blocks of 32 (Q8_0 / Q8_1,
@@ -1279,10 +1155,8 @@ impl CudaDevice {
         }
         if self.exact() {
             // SiLU with both matrices' exact products (GELU: the default steps)
-            return (!gelu && wg.ty == wu.ty && exact_ok(wg) && exact_ok(wu)).then(|| {
-                let ex = ExactExtra::default();
-                self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s, ex)
-            });
+            return (!gelu && wg.ty == wu.ty && exact_ok(wg) && exact_ok(wu))
+                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
