@@ -21,7 +21,7 @@ use rustorch_core::kv_cache::{KvCache, SeqId};
 use crate::device::LaunchMode;
 use crate::device::{CudaDevice, GpuVec};
 use crate::error::CudaError;
-use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm, NORM_Q8, NORM_Q8K};
+use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm, TailNorm, NORM_Q8, NORM_Q8K};
 use crate::kv::CudaKvStore;
 use crate::step::{self, Captured, CudaState, GraphBox};
 
@@ -117,6 +117,8 @@ struct PendingMm {
     w: *const CudaMatrix,
     x: (u64, usize),
     out: (u64, usize),
+    /// (exact mode's norm tail) the residual `x += out` that `add` joined to it
+    acc: Option<u64>,
 }
 
 /// A held-back norm (see `Cuda::pending_norm`): `out = rms_norm(x) * w`; with `y` (exact
@@ -540,18 +542,73 @@ impl<'a> Cuda<'a> {
         }
     }
 
-    /// Launches a deferred product.
+    /// Launches a deferred product (and the residual add joined to it).
     fn flush_mm(&mut self) {
         if let Some(p) = self.pending_mm.take() {
             // SAFETY: the matrix and buffers `matmul` was given, alive through the call
             // (the model's weights, the architecture's workspace); `out` already has its
-            // length.
+            // length; `acc`, the live buffer `add` was given, of out's length.
             let r = unsafe {
                 let x = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
                 let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
-                self.dev.matmul(&*p.w, &x, &mut out, &mut self.st().s)
+                let dev = self.dev;
+                let r = dev.matmul(&*p.w, &x, &mut out, &mut self.st().s);
+                match p.acc {
+                    Some(a) => r.and_then(|_| dev.add_raw(a, p.out.0, p.out.1)),
+                    None => r,
+                }
             };
             self.keep(r);
+        }
+    }
+
+    /// Whether exact mode's one-token products may add their rows into the residual and do
+    /// the next norm in their tail (`RUSTORCH_CUDA_NORM_TAIL=1`; no hook, not the persistent
+    /// kernel).
+    fn exact_tail_on(&self) -> bool {
+        let a = crate::kernels::arith();
+        self.hook.is_none() && crate::kernels::norm_tail_enabled() && !a.mega && self.dev.exact()
+    }
+
+    /// Before products `ws` of `x`: where a deferred exact product with its residual add is
+    /// followed by a deferred norm of that residual whose output is `x`, launches the
+    /// product with the norm in its tail (quantized as `ws` take it); both then count as
+    /// launched. Otherwise leaves them deferred.
+    fn launch_tail(&mut self, x: &GpuVec<f32>, ws: &[&CudaMatrix]) {
+        let (Some(pm), Some(pn)) = (&self.pending_mm, &self.pending_norm) else {
+            return;
+        };
+        let Some(ax) = pm.acc else {
+            return;
+        };
+        if pn.x.0 != ax || pn.out != (x.ptr(), x.len()) || pn.y.is_some() || pn.x.1 != pn.w.1 {
+            return;
+        }
+        let t = TailNorm {
+            x: ax,
+            w: pn.w.0,
+            eps: pn.eps,
+            h: pn.out.0,
+            n: pn.x.1,
+            kinds: CudaDevice::norm_kinds(ws),
+        };
+        let (Some(pm), Some(pn)) = (self.pending_mm.take(), self.pending_norm.take()) else {
+            return;
+        };
+        // SAFETY: as in flush_mm.
+        let r = unsafe {
+            let xin = GpuVec::<f32>::borrowed(pm.x.0, pm.x.1);
+            let mut out = GpuVec::<f32>::borrowed(pm.out.0, pm.out.1);
+            let dev = self.dev;
+            dev.matmul_exact_tail(&*pm.w, &xin, &mut out, &t, &mut self.st().s)
+        };
+        match r {
+            Some(r) => self.keep(r),
+            None => {
+                // (this product or norm cannot: launched apart by the caller's flushes)
+                self.pending_mm = Some(pm);
+                self.pending_norm = Some(pn);
+            }
         }
     }
 
@@ -942,8 +999,13 @@ impl<'a> Backend for Cuda<'a> {
 
     fn rms_norm(&mut self, x: &GpuVec<f32>, w: &GpuVec<f32>, eps: f32, out: &mut GpuVec<f32>) {
         // a deferred `x += y` joins the norm's launch; the norm also quantizes its output
-        // for the product that follows
-        self.flush_mm();
+        // for the product that follows. (Exact mode's norm tail: a deferred product adding
+        // into x stays deferred, see launch_tail.)
+        let tail = matches!(&self.pending_mm, Some(p) if p.acc == Some(x.ptr()))
+            && self.pending_norm.is_none();
+        if !tail {
+            self.flush_mm();
+        }
         self.flush_norm();
         let y = match self.pending_add {
             Some((px, py, n)) if px == x.ptr() && n == x.len() => {
@@ -975,6 +1037,7 @@ impl<'a> Backend for Cuda<'a> {
             out: (out.ptr(), out.len()),
         });
         if !hold {
+            self.flush_mm();
             self.flush_norm();
         }
     }
@@ -991,6 +1054,7 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.launch_tail(x, &[w]);
         self.flush_mm();
         self.flush_add();
         self.flush_rope();
@@ -1012,6 +1076,20 @@ impl<'a> Backend for Cuda<'a> {
                 w: w as *const CudaMatrix,
                 x: (x.ptr(), x.len()),
                 out: (out.ptr(), out.len()),
+                acc: None,
+            });
+            return Ok(());
+        }
+        if self.exact_tail_on() && dev.exact_tail_ok(w, x.len()) {
+            // exact mode's norm tail: held back likewise, for `add` and the norm after it
+            self.flush_norm_for(x, &[w]);
+            self.check()?;
+            out.resize(dev, w.n_rows).map_err(be_err)?;
+            self.pending_mm = Some(PendingMm {
+                w: w as *const CudaMatrix,
+                x: (x.ptr(), x.len()),
+                out: (out.ptr(), out.len()),
+                acc: None,
             });
             return Ok(());
         }
@@ -1026,6 +1104,7 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         outs: &mut [&mut GpuVec<f32>],
     ) -> Result<(), BackendError> {
+        self.launch_tail(x, ws);
         self.flush_mm();
         self.flush_add();
         self.flush_rope();
@@ -1061,6 +1140,7 @@ impl<'a> Backend for Cuda<'a> {
         gate: &mut GpuVec<f32>,
         up: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
+        self.launch_tail(x, &[wg, wu]);
         self.flush_mm();
         self.flush_add();
         self.flush_rope();
@@ -1112,6 +1192,18 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn add(&mut self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) {
+        if let Some(p) = &mut self.pending_mm {
+            if self.dev.exact()
+                && p.acc.is_none()
+                && p.out == (y.ptr(), y.len())
+                && x.len() == y.len()
+                && x.ptr() != p.x.0
+            {
+                // exact mode's norm tail: the held-back product will add its rows into x
+                p.acc = Some(x.ptr());
+                return;
+            }
+        }
         if let Some(p) = &self.pending_mm {
             if p.out == (y.ptr(), y.len()) && x.len() == y.len() && x.ptr() != p.x.0 {
                 // the held-back product adds its rows into x as it stores them

@@ -181,8 +181,10 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("mmve_{s}"));
             v.push(format!("mmve_{s}_l"));
             v.push(format!("mmvd_{s}_c"));
+            v.push(format!("mmvd_{s}_t_c"));
             if !matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
                 v.push(format!("mmvd_{s}"));
+                v.push(format!("mmvd_{s}_t"));
             }
         }
     }
@@ -235,6 +237,9 @@ pub struct Scratch {
     /// Whether `aq`/`ads` hold `acts_of`'s 8-bit blocks (an exact-mode norm whose products
     /// take only Q8_K leaves just those: [`CudaDevice::norm_kinds`]).
     q8_ok: bool,
+    /// The blocks of a product with a norm in its tail count themselves here (zero between
+    /// launches: the last block resets it; see [`CudaDevice::matmul_exact_tail`]).
+    tail_counter: GpuVec<u32>,
 }
 
 /// The activation format of an exact product ([`CudaDevice::set_exact`]) of weights of type `ty`.
@@ -318,6 +323,44 @@ struct MmvJob {
 
 // SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
 unsafe impl cudarc::driver::DeviceRepr for MmvJob {}
+
+/// The next RMSNorm done in the tail of an exact product (kernels/exact.cu `NormTail`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct NormTail {
+    x: u64,
+    w: u64,
+    h: u64,
+    aq: u64,
+    ads: u64,
+    eq: u64,
+    edq: u64,
+    counter: u64,
+    eps: f32,
+    n: i32,
+}
+
+// SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
+unsafe impl cudarc::driver::DeviceRepr for NormTail {}
+
+/// A norm for [`CudaDevice::matmul_exact_tail`]: `h = rms_norm(x) * w` over the `n` values
+/// at `x` (device addresses; `x` is also the residual the product adds into), quantized
+/// into `kinds` ([`CudaDevice::norm_kinds`]).
+pub(crate) struct TailNorm {
+    pub x: u64,
+    pub w: u64,
+    pub eps: f32,
+    pub h: u64,
+    pub n: usize,
+    pub kinds: u8,
+}
+
+/// Whether exact mode's one-token products may do the next norm in their tail
+/// (`RUSTORCH_CUDA_NORM_TAIL=1`; experimental, off by default until measured).
+pub fn norm_tail_enabled() -> bool {
+    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *F.get_or_init(|| std::env::var("RUSTORCH_CUDA_NORM_TAIL").is_ok_and(|v| v == "1"))
+}
 
 /// One query row's cells for [`CudaDevice::attention`]: the device address of their slots
 /// in the K/V pools (u32 per cell; 0 = cell `c` is slot `c`) and of their positions (u32 per
@@ -663,7 +706,7 @@ impl CudaDevice {
         let n_tok = x.len() / n_cols;
         if self.exact() && ws.iter().any(|w| exact_ok(w)) {
             if ws.iter().all(|w| exact_ok(w)) {
-                return self.mmv_exact(ws, x, n_tok, outs, false, s);
+                return self.mmv_exact(ws, x, n_tok, outs, false, s, None);
             }
             // the matrices with an exact product take it, the others the default kernels
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -699,6 +742,7 @@ impl CudaDevice {
     /// norm's), then `mmvd_*` for one to three tokens (four rows per group of eight-thread
     /// chains) or a warp per row and token (`mmve_*`), up to three matrices of one type per
     /// launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
+    #[allow(clippy::too_many_arguments)]
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
@@ -707,6 +751,7 @@ impl CudaDevice {
         outs: &mut [&mut GpuVec<f32>],
         glu: bool,
         s: &mut Scratch,
+        tail: Option<&TailNorm>,
     ) -> Result<()> {
         let n_cols = ws[0].n_cols;
         let nc = n_cols as i32;
@@ -774,6 +819,13 @@ impl CudaDevice {
                 continue;
             }
             let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
+            // (the caller, matmul_exact_tail, checked: one matrix, one token, direct kernels)
+            let nt = match tail {
+                Some(t) if ws.len() == 1 && !glu && n_tok == 1 => Some(self.tail_params(t, s)?),
+                _ => None,
+            };
+            let tsuf = if nt.is_some() { "_t" } else { "" };
+            let nt_arg = nt.unwrap_or_default();
             if n_tok < 4 && exact_direct() {
                 let rows: usize = if glu {
                     2 * ws[i].n_rows
@@ -794,21 +846,33 @@ impl CudaDevice {
                         + 16 * dl * (cap / gpb + 4)
                         + if min { 32 * cap } else { 0 };
                     let capi = cap as i32;
-                    self.launch_smem(
-                        &format!("mmvd_{st}_c"),
-                        (blocks(rows, 4), n_tok as u32, 1),
-                        128,
-                        smem as u32,
-                        &[&job, &aq, &ads, &nc, &capi],
-                    )?;
+                    let name = format!("mmvd_{st}{tsuf}_c");
+                    let grid = (blocks(rows, 4), n_tok as u32, 1);
+                    if nt.is_some() {
+                        let args: [&dyn KernelArg; 6] = [&job, &aq, &ads, &nc, &capi, &nt_arg];
+                        self.launch_smem(&name, grid, 128, smem as u32, &args)?;
+                    } else {
+                        self.launch_smem(
+                            &name,
+                            grid,
+                            128,
+                            smem as u32,
+                            &[&job, &aq, &ads, &nc, &capi],
+                        )?;
+                    }
                 } else {
                     // eight threads per row, four rows (glu: two gate/up pairs) per warp
-                    self.launch(
-                        &format!("mmvd_{st}"),
-                        (blocks(rows, 16), n_tok as u32, 1),
-                        128,
-                        &[&job, &aq, &ads, &nc, &mode],
-                    )?;
+                    let name = format!("mmvd_{st}{tsuf}");
+                    let grid = (blocks(rows, 16), n_tok as u32, 1);
+                    if nt.is_some() {
+                        let args: [&dyn KernelArg; 6] = [&job, &aq, &ads, &nc, &mode, &nt_arg];
+                        self.launch(&name, grid, 128, &args)?;
+                    } else {
+                        self.launch(&name, grid, 128, &[&job, &aq, &ads, &nc, &mode])?;
+                    }
+                }
+                if let Some(t) = tail.filter(|_| nt.is_some()) {
+                    self.tail_claim(t, s)?;
                 }
                 i = k;
                 continue;
@@ -833,6 +897,83 @@ impl CudaDevice {
             )?;
             i = k;
         }
+        Ok(())
+    }
+
+    /// Whether `w`'s exact product of one token of `n` values can add its rows into the
+    /// residual and do the next norm in its tail ([`CudaDevice::matmul_exact_tail`]).
+    pub(crate) fn exact_tail_ok(&self, w: &CudaMatrix, n: usize) -> bool {
+        self.exact() && exact_direct() && exact_ok(w) && n == w.n_cols && arith().q8_cpu
+    }
+
+    /// One token's exact product `out = x·W` that also adds its rows into the residual
+    /// `norm.x` (the CPU's f32 add), the last of its blocks then doing `norm` of the sum
+    /// (kernels/exact.cu `NormTail`): the norm's launch saved. Its quantizations are left
+    /// in `s` for the products that read `norm.h`. None where this product or norm cannot
+    /// (nothing was done).
+    pub(crate) fn matmul_exact_tail(
+        &self,
+        w: &CudaMatrix,
+        x: &GpuVec<f32>,
+        out: &mut GpuVec<f32>,
+        norm: &TailNorm,
+        s: &mut Scratch,
+    ) -> Option<Result<()>> {
+        let n = norm.n;
+        // (the tail block takes 16 values a thread, 128 threads; the scratch must not grow:
+        // the product reads its input's quantization from it)
+        let room = |c: usize| c >= n;
+        let ok = self.exact_tail_ok(w, x.len())
+            && w.n_rows == n
+            && (32..=16 * 128 * 8).contains(&n)
+            && n.is_multiple_of(32)
+            && room(s.aq.capacity())
+            && room(s.ads.capacity() * 16)
+            && (!(n.is_multiple_of(256) && norm.kinds & NORM_Q8K != 0)
+                || (room(s.eq.capacity()) && room(s.eds.capacity() * 256)));
+        if !ok {
+            return None;
+        }
+        Some(self.mmv_exact(&[w], x, 1, &mut [out], false, s, Some(norm)))
+    }
+
+    /// The kernels' `NormTail` for `t` (after the product's own activations are in `s`).
+    fn tail_params(&self, t: &TailNorm, s: &mut Scratch) -> Result<NormTail> {
+        let n = t.n;
+        let q8k = n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0;
+        let q8 = t.kinds & NORM_Q8 != 0 || !q8k;
+        if s.tail_counter.len() != 1 {
+            s.tail_counter = self.upload(&[0u32])?;
+        }
+        Ok(NormTail {
+            x: t.x,
+            w: t.w,
+            h: t.h,
+            aq: if q8 { s.aq.ptr() } else { 0 },
+            ads: if q8 { s.ads.ptr() } else { 0 },
+            eq: if q8k { s.eq.ptr() } else { 0 },
+            edq: if q8k { s.eds.ptr() } else { 0 },
+            counter: s.tail_counter.ptr(),
+            eps: t.eps,
+            n: n as i32,
+        })
+    }
+
+    /// Records in `s` what a product's norm tail left there (as [`CudaDevice::add_rms_norm`]
+    /// for one token): `t.h`'s quantizations.
+    fn tail_claim(&self, t: &TailNorm, s: &mut Scratch) -> Result<()> {
+        let n = t.n;
+        let q8k = n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0;
+        // (no reallocation: matmul_exact_tail checked the capacities)
+        s.aq.resize(self, n)?;
+        s.ads.resize(self, n / 32 * 2)?;
+        s.claim_acts((t.h, n, n), false);
+        if q8k {
+            s.eq.resize(self, n)?;
+            s.eds.resize(self, n / 256)?;
+            s.eacts_of = Some(0);
+        }
+        s.q8_ok = t.kinds & NORM_Q8 != 0 || !q8k;
         Ok(())
     }
 
@@ -1156,7 +1297,7 @@ impl CudaDevice {
         if self.exact() {
             // SiLU with both matrices' exact products (GELU: the default steps)
             return (!gelu && wg.ty == wu.ty && exact_ok(wg) && exact_ok(wu))
-                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
+                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s, None));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
