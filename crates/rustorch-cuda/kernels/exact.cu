@@ -605,7 +605,7 @@ struct NormTail {
     float *edq;
     u32 *counter;
     float eps;
-    int n;  // a multiple of 32 (of 256 with eq), at most 16 * blockDim.x * TAIL_ROUNDS
+    int n;  // a multiple of 32 (of 256 with eq); the last block loops over rounds of 16 a thread
 };
 #define TAIL_VALS 16
 

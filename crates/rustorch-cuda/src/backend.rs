@@ -1028,7 +1028,10 @@ impl<'a> Backend for Cuda<'a> {
             self.keep(Err(e));
             return;
         }
-        self.st().s.acts_of = None;
+        if !tail {
+            // (with the norm tail, the deferred product still reads its input's quantization)
+            self.st().s.acts_of = None;
+        }
         self.pending_norm = Some(PendingNorm {
             x: (x.ptr(), x.len()),
             y,
@@ -1205,7 +1208,12 @@ impl<'a> Backend for Cuda<'a> {
             }
         }
         if let Some(p) = &self.pending_mm {
-            if p.out == (y.ptr(), y.len()) && x.len() == y.len() && x.ptr() != p.x.0 {
+            // (a product that already adds into another buffer: flushed by `touch` below)
+            if p.acc.is_none()
+                && p.out == (y.ptr(), y.len())
+                && x.len() == y.len()
+                && x.ptr() != p.x.0
+            {
                 // the held-back product adds its rows into x as it stores them
                 let Some(p) = self.pending_mm.take() else {
                     return;

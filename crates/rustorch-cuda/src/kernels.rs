@@ -237,9 +237,6 @@ pub struct Scratch {
     /// Whether `aq`/`ads` hold `acts_of`'s 8-bit blocks (an exact-mode norm whose products
     /// take only Q8_K leaves just those: [`CudaDevice::norm_kinds`]).
     q8_ok: bool,
-    /// The blocks of a product with a norm in its tail count themselves here (zero between
-    /// launches: the last block resets it; see [`CudaDevice::matmul_exact_tail`]).
-    tail_counter: GpuVec<u32>,
 }
 
 /// The activation format of an exact product ([`CudaDevice::set_exact`]) of weights of type `ty`.
@@ -942,9 +939,11 @@ impl CudaDevice {
         let n = t.n;
         let q8k = n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0;
         let q8 = t.kinds & NORM_Q8 != 0 || !q8k;
-        if s.tail_counter.len() != 1 {
-            s.tail_counter = self.upload(&[0u32])?;
-        }
+        let counter = self
+            .tail_counter
+            .get()
+            .map(|c| c.ptr())
+            .ok_or_else(|| CudaError::Unsupported("no tail counter on this device".into()))?;
         Ok(NormTail {
             x: t.x,
             w: t.w,
@@ -953,7 +952,7 @@ impl CudaDevice {
             ads: if q8 { s.ads.ptr() } else { 0 },
             eq: if q8k { s.eq.ptr() } else { 0 },
             edq: if q8k { s.eds.ptr() } else { 0 },
-            counter: s.tail_counter.ptr(),
+            counter,
             eps: t.eps,
             n: n as i32,
         })
