@@ -588,7 +588,8 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
 
 // ---------------------------------------------------------------------------------------
 // The next RMSNorm in the tail of the product before it (the `_t` kernels, exact mode, one
-// token; RUSTORCH_CUDA_NORM_TAIL=1): the product adds its rows into the residual x, and the
+// token; RUSTORCH_CUDA_NORM_TAIL=1; without w, RUSTORCH_CUDA_QUANT_TAIL=1, only the
+// quantization of a gate/up product's own output, for the down product): the product adds its rows into the residual x, and the
 // last of its blocks to finish (a counter, reset by that block) computes h = rms_norm(x) * w
 // with the rms_norm kernel's arithmetic (squares rounded to f32 and summed in f64, then
 // (x * scale) * w) and quantizes h as the CPU does for the products that read it: Q8 blocks
@@ -681,23 +682,29 @@ __device__ __noinline__ void norm_tail(const NormTail &nt) {
     const int tid = threadIdx.x, lane = tid & 31, n = nt.n, step = TAIL_VALS * blockDim.x;
     // x read through L2 (__ldcg): this multiprocessor's L1 may hold lines of it from before
     // the other blocks' adds
-    double s = 0.0;
-    for (int b = TAIL_VALS * tid; b < n; b += step) {
-        const float4 *x4 = (const float4 *)(nt.x + b);
-        float4 r[4];
+    // (without w, no norm: x itself quantized, e.g. a gate/up product's output for the down
+    // product; the branch is the same for the whole block)
+    const bool norm = nt.w != nullptr;
+    float scale = 1.0f;
+    if (norm) {
+        double s = 0.0;
+        for (int b = TAIL_VALS * tid; b < n; b += step) {
+            const float4 *x4 = (const float4 *)(nt.x + b);
+            float4 r[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) r[k] = __ldcg(x4 + k);
+            for (int k = 0; k < 4; k++) r[k] = __ldcg(x4 + k);
 #pragma unroll
-        for (int k = 0; k < 4; k++) add_sq4(s, r[k]);
+            for (int k = 0; k < 4; k++) add_sq4(s, r[k]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+        if (lane == 0) tail_ss[tid >> 5] = s;
+        __syncthreads();
+        double tot = 0.0;
+        for (int k = 0; k < (int)(blockDim.x >> 5); k++) tot += tail_ss[k];
+        const float mean = (float)(tot / (double)n);
+        scale = 1.0f / sqrtf(mean + nt.eps);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-    if (lane == 0) tail_ss[tid >> 5] = s;
-    __syncthreads();
-    double tot = 0.0;
-    for (int k = 0; k < (int)(blockDim.x >> 5); k++) tot += tail_ss[k];
-    const float mean = (float)(tot / (double)n);
-    const float scale = 1.0f / sqrtf(mean + nt.eps);
     for (int r0 = 0; r0 < n; r0 += step) {
         const int b = r0 + TAIL_VALS * tid;
         const bool in = b < n;
@@ -706,9 +713,10 @@ __device__ __noinline__ void norm_tail(const NormTail &nt) {
             const float4 *x4 = (const float4 *)(nt.x + b), *w4 = (const float4 *)(nt.w + b);
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                const float4 h = norm4(__ldcg(x4 + k), scale, w4[k]);
+                const float4 v = __ldcg(x4 + k);
+                const float4 h = norm ? norm4(v, scale, w4[k]) : v;
                 o[4 * k] = h.x, o[4 * k + 1] = h.y, o[4 * k + 2] = h.z, o[4 * k + 3] = h.w;
-                ((float4 *)(nt.h + b))[k] = h;
+                if (norm) ((float4 *)(nt.h + b))[k] = h;
             }
         } else {
 #pragma unroll

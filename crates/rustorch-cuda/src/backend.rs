@@ -1165,6 +1165,18 @@ impl<'a> Backend for Cuda<'a> {
         }
         self.flush_norm_for(x, &[wg, wu]);
         self.check()?;
+        if self.hook.is_none()
+            && act == Glu::Silu
+            && !crate::kernels::arith().mega
+            && crate::kernels::quant_tail_enabled()
+        {
+            // exact mode: the output quantized in the product's tail, as the gate/up
+            // matrices' family takes it (the down product quantizes for itself otherwise)
+            let kinds = CudaDevice::norm_kinds(&[wg, wu]);
+            if let Some(r) = dev.glu_exact_tail(wg, wu, x, gate, kinds, &mut self.st().s) {
+                return r.map_err(be_err);
+            }
+        }
         if self.hook.is_none() {
             if let Some(r) = dev.glu_fused(act == Glu::Gelu, wg, wu, x, gate, &mut self.st().s) {
                 return r.map_err(be_err);

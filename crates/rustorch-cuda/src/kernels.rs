@@ -352,6 +352,27 @@ pub(crate) struct TailNorm {
     pub kinds: u8,
 }
 
+/// Whether the tail block of a product can do `t` with `s` as it is: `t.n` within its reach
+/// (16 values a thread of 128, up to 8 rounds) and the scratch already large enough (it
+/// must not be reallocated: the product reads its own input's quantization from it).
+fn tail_room(t: &TailNorm, s: &Scratch) -> bool {
+    let n = t.n;
+    let room = |c: usize| c >= n;
+    (32..=16 * 128 * 8).contains(&n)
+        && n.is_multiple_of(32)
+        && room(s.aq.capacity())
+        && room(s.ads.capacity() * 16)
+        && (!(n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0)
+            || (room(s.eq.capacity()) && room(s.eds.capacity() * 256)))
+}
+
+/// Whether exact mode's one-token gate/up products may quantize their output in their tail
+/// (`RUSTORCH_CUDA_QUANT_TAIL=1`; experimental, off by default until measured).
+pub fn quant_tail_enabled() -> bool {
+    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *F.get_or_init(|| std::env::var("RUSTORCH_CUDA_QUANT_TAIL").is_ok_and(|v| v == "1"))
+}
+
 /// Whether exact mode's one-token products may do the next norm in their tail
 /// (`RUSTORCH_CUDA_NORM_TAIL=1`; experimental, off by default until measured).
 pub fn norm_tail_enabled() -> bool {
@@ -818,7 +839,10 @@ impl CudaDevice {
             let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
             // (the caller, matmul_exact_tail, checked: one matrix, one token, direct kernels)
             let nt = match tail {
-                Some(t) if ws.len() == 1 && !glu && n_tok == 1 => Some(self.tail_params(t, s)?),
+                // (a norm after one matrix's product, or the quantization of a glu's output)
+                Some(t) if n_tok == 1 && ((ws.len() == 1 && !glu) || (glu && t.w == 0)) => {
+                    Some(self.tail_params(t, s)?)
+                }
                 _ => None,
             };
             let tsuf = if nt.is_some() { "_t" } else { "" };
@@ -916,22 +940,45 @@ impl CudaDevice {
         norm: &TailNorm,
         s: &mut Scratch,
     ) -> Option<Result<()>> {
-        let n = norm.n;
-        // (the tail block takes 16 values a thread, 128 threads; the scratch must not grow:
-        // the product reads its input's quantization from it)
-        let room = |c: usize| c >= n;
-        let ok = self.exact_tail_ok(w, x.len())
-            && w.n_rows == n
-            && (32..=16 * 128 * 8).contains(&n)
-            && n.is_multiple_of(32)
-            && room(s.aq.capacity())
-            && room(s.ads.capacity() * 16)
-            && (!(n.is_multiple_of(256) && norm.kinds & NORM_Q8K != 0)
-                || (room(s.eq.capacity()) && room(s.eds.capacity() * 256)));
+        let ok = self.exact_tail_ok(w, x.len()) && w.n_rows == norm.n && tail_room(norm, s);
         if !ok {
             return None;
         }
         Some(self.mmv_exact(&[w], x, 1, &mut [out], false, s, Some(norm)))
+    }
+
+    /// One token's exact `gate = silu(x·Wg) ⊙ x·Wu` whose last block then quantizes `gate`
+    /// as `kinds` asks (for the down product: its quantization launch saved;
+    /// `RUSTORCH_CUDA_QUANT_TAIL=1`, experimental). None where it cannot (nothing done).
+    pub(crate) fn glu_exact_tail(
+        &self,
+        wg: &CudaMatrix,
+        wu: &CudaMatrix,
+        x: &GpuVec<f32>,
+        gate: &mut GpuVec<f32>,
+        kinds: u8,
+        s: &mut Scratch,
+    ) -> Option<Result<()>> {
+        let n = wg.n_rows;
+        let same = wg.ty == wu.ty && wg.n_rows == wu.n_rows && wg.n_cols == wu.n_cols;
+        if !same || !self.exact_tail_ok(wg, x.len()) || !exact_ok(wu) {
+            return None;
+        }
+        if let Err(e) = gate.resize(self, n) {
+            return Some(Err(e));
+        }
+        let t = TailNorm {
+            x: gate.ptr(),
+            w: 0,
+            eps: 0.0,
+            h: 0,
+            n,
+            kinds,
+        };
+        if !tail_room(&t, s) {
+            return None;
+        }
+        Some(self.mmv_exact(&[wg, wu], x, 1, &mut [gate], true, s, Some(&t)))
     }
 
     /// The kernels' `NormTail` for `t` (after the product's own activations are in `s`).
@@ -963,10 +1010,11 @@ impl CudaDevice {
     fn tail_claim(&self, t: &TailNorm, s: &mut Scratch) -> Result<()> {
         let n = t.n;
         let q8k = n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0;
-        // (no reallocation: matmul_exact_tail checked the capacities)
+        // (no reallocation: the callers checked the capacities)
         s.aq.resize(self, n)?;
         s.ads.resize(self, n / 32 * 2)?;
-        s.claim_acts((t.h, n, n), false);
+        // (without a norm, x itself was quantized)
+        s.claim_acts((if t.w == 0 { t.x } else { t.h }, n, n), false);
         if q8k {
             s.eq.resize(self, n)?;
             s.eds.resize(self, n / 256)?;
