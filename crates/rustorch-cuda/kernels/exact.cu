@@ -710,7 +710,8 @@ __device__ __noinline__ void norm_tail(const NormTail &nt) {
         const bool in = b < n;
         float o[TAIL_VALS];
         if (in) {
-            const float4 *x4 = (const float4 *)(nt.x + b), *w4 = (const float4 *)(nt.w + b);
+            const float4 *x4 = (const float4 *)(nt.x + b);
+            const float4 *w4 = norm ? (const float4 *)(nt.w + b) : nullptr;
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const float4 v = __ldcg(x4 + k);
