@@ -589,8 +589,8 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
 // ---------------------------------------------------------------------------------------
 // The next RMSNorm in the tail of the product before it (the `_t` kernels, exact mode, one
 // token; RUSTORCH_CUDA_NORM_TAIL=1; without w, RUSTORCH_CUDA_QUANT_TAIL=1, only the
-// quantization of a gate/up product's own output, for the down product): the product adds its rows into the residual x, and the
-// last of its blocks to finish (a counter, reset by that block) computes h = rms_norm(x) * w
+// quantization of a gate/up product's own output, for the down product): the product adds
+// its rows into the residual x, and the last of its blocks to finish (a counter, reset by that block) computes h = rms_norm(x) * w
 // with the rms_norm kernel's arithmetic (squares rounded to f32 and summed in f64, then
 // (x * scale) * w) and quantizes h as the CPU does for the products that read it: Q8 blocks
 // of 32 (quantize_lane's cpu rule) into aq / ads and / or Q8_K blocks of 256 (q8k_warp's

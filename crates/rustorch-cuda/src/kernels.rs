@@ -358,12 +358,20 @@ pub(crate) struct TailNorm {
 fn tail_room(t: &TailNorm, s: &Scratch) -> bool {
     let n = t.n;
     let room = |c: usize| c >= n;
+    let (q8, q8k) = t.quantizations();
     (32..=16 * 128 * 8).contains(&n)
         && n.is_multiple_of(32)
-        && room(s.aq.capacity())
-        && room(s.ads.capacity() * 16)
-        && (!(n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0)
-            || (room(s.eq.capacity()) && room(s.eds.capacity() * 256)))
+        && (!q8 || (room(s.aq.capacity()) && room(s.ads.capacity() * 16)))
+        && (!q8k || (room(s.eq.capacity()) && room(s.eds.capacity() * 256)))
+}
+
+impl TailNorm {
+    /// Which quantizations the tail writes: (8-bit blocks of 32, Q8_K blocks of 256), as
+    /// `norm_raw` would for one token.
+    fn quantizations(&self) -> (bool, bool) {
+        let q8k = self.n.is_multiple_of(256) && self.kinds & NORM_Q8K != 0;
+        (self.kinds & NORM_Q8 != 0 || !q8k, q8k)
+    }
 }
 
 /// Whether exact mode's one-token gate/up products may quantize their output in their tail
@@ -837,7 +845,8 @@ impl CudaDevice {
                 continue;
             }
             let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
-            // (the caller, matmul_exact_tail, checked: one matrix, one token, direct kernels)
+            // (the callers, matmul_exact_tail and glu_exact_tail, checked: one token, the
+            // direct kernels, room in the scratch)
             let nt = match tail {
                 // (a norm after one matrix's product, or the quantization of a glu's output)
                 Some(t) if n_tok == 1 && ((ws.len() == 1 && !glu) || (glu && t.w == 0)) => {
@@ -984,8 +993,7 @@ impl CudaDevice {
     /// The kernels' `NormTail` for `t` (after the product's own activations are in `s`).
     fn tail_params(&self, t: &TailNorm, s: &mut Scratch) -> Result<NormTail> {
         let n = t.n;
-        let q8k = n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0;
-        let q8 = t.kinds & NORM_Q8 != 0 || !q8k;
+        let (q8, q8k) = t.quantizations();
         let counter = self
             .tail_counter
             .get()
@@ -1009,10 +1017,12 @@ impl CudaDevice {
     /// for one token): `t.h`'s quantizations.
     fn tail_claim(&self, t: &TailNorm, s: &mut Scratch) -> Result<()> {
         let n = t.n;
-        let q8k = n.is_multiple_of(256) && t.kinds & NORM_Q8K != 0;
-        // (no reallocation: the callers checked the capacities)
-        s.aq.resize(self, n)?;
-        s.ads.resize(self, n / 32 * 2)?;
+        let (q8, q8k) = t.quantizations();
+        // (no reallocation: the callers checked the capacities of what the tail writes)
+        if q8 {
+            s.aq.resize(self, n)?;
+            s.ads.resize(self, n / 32 * 2)?;
+        }
         // (without a norm, x itself was quantized)
         s.claim_acts((if t.w == 0 { t.x } else { t.h }, n, n), false);
         if q8k {
@@ -1020,7 +1030,7 @@ impl CudaDevice {
             s.eds.resize(self, n / 256)?;
             s.eacts_of = Some(0);
         }
-        s.q8_ok = t.kinds & NORM_Q8 != 0 || !q8k;
+        s.q8_ok = q8;
         Ok(())
     }
 
