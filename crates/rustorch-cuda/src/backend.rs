@@ -562,6 +562,26 @@ impl<'a> Cuda<'a> {
         }
     }
 
+    /// Holds back the product `out = x·W` (see `pending_mm`), after the deferred norm it
+    /// may read.
+    fn hold_mm(
+        &mut self,
+        w: &CudaMatrix,
+        x: &GpuVec<f32>,
+        out: &mut GpuVec<f32>,
+    ) -> Result<(), BackendError> {
+        self.flush_norm_for(x, &[w]);
+        self.check()?;
+        out.resize(self.dev, w.n_rows).map_err(be_err)?;
+        self.pending_mm = Some(PendingMm {
+            w: w as *const CudaMatrix,
+            x: (x.ptr(), x.len()),
+            out: (out.ptr(), out.len()),
+            acc: None,
+        });
+        Ok(())
+    }
+
     /// Whether exact mode's one-token products may add their rows into the residual and do
     /// the next norm in their tail (`RUSTORCH_CUDA_NORM_TAIL=1`; no hook, not the persistent
     /// kernel).
@@ -1072,29 +1092,11 @@ impl<'a> Backend for Cuda<'a> {
                 }
             }
             // held back: an `add(_, out)` next may take it (see `add`)
-            self.flush_norm();
-            self.check()?;
-            out.resize(dev, w.n_rows).map_err(be_err)?;
-            self.pending_mm = Some(PendingMm {
-                w: w as *const CudaMatrix,
-                x: (x.ptr(), x.len()),
-                out: (out.ptr(), out.len()),
-                acc: None,
-            });
-            return Ok(());
+            return self.hold_mm(w, x, out);
         }
         if self.exact_tail_on() && dev.exact_tail_ok(w, x.len()) {
             // exact mode's norm tail: held back likewise, for `add` and the norm after it
-            self.flush_norm_for(x, &[w]);
-            self.check()?;
-            out.resize(dev, w.n_rows).map_err(be_err)?;
-            self.pending_mm = Some(PendingMm {
-                w: w as *const CudaMatrix,
-                x: (x.ptr(), x.len()),
-                out: (out.ptr(), out.len()),
-                acc: None,
-            });
-            return Ok(());
+            return self.hold_mm(w, x, out);
         }
         self.flush_norm_for(x, &[w]);
         self.check()?;
