@@ -693,6 +693,12 @@ __device__ __noinline__ void norm_tail(const NormTail &nt) {
             float4 r[4];
 #pragma unroll
             for (int k = 0; k < 4; k++) r[k] = __ldcg(x4 + k);
+            // (the first round's weights asked for with its values: in L1 for the second pass)
+            if (b < step) {
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(nt.w + b + 4 * k));
+            }
 #pragma unroll
             for (int k = 0; k < 4; k++) add_sq4(s, r[k]);
         }
