@@ -590,8 +590,8 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
 // The next RMSNorm in the tail of the product before it (the `_t` kernels, exact mode, one
 // token; RUSTORCH_CUDA_NORM_TAIL=1; without w, RUSTORCH_CUDA_QUANT_TAIL=1, only the
 // quantization of a gate/up product's own output, for the down product): the product adds
-// its rows into the residual x, and the last of its blocks to finish (a counter, reset by that block) computes h = rms_norm(x) * w
-// with the rms_norm kernel's arithmetic (squares rounded to f32 and summed in f64, then
+// its rows into the residual x, and the last of its blocks to finish (a counter, reset by
+// that block) computes h = rms_norm(x) * w with the rms_norm kernel's arithmetic (squares rounded to f32 and summed in f64, then
 // (x * scale) * w) and quantizes h as the CPU does for the products that read it: Q8 blocks
 // of 32 (quantize_lane's cpu rule) into aq / ads and / or Q8_K blocks of 256 (q8k_warp's
 // rule, one token) into eq / edq. So the norm needs no launch of its own: one block does it
@@ -610,6 +610,19 @@ struct NormTail {
 };
 #define TAIL_VALS 16
 
+// The 8-bit codes min(127, max(-128, round_half_even(o * m))) of 16 values packed four to a
+// word into pk; returns their sum.
+__device__ __forceinline__ int tail_codes(const float (&o)[TAIL_VALS], float m, u32 (&pk)[4]) {
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < TAIL_VALS; i++) {
+        const int q = min(127, max(-128, __float2int_rn(__fmul_rn(o[i], m))));
+        sum += q;
+        pk[i >> 2] |= (u32)(q & 0xff) << (8 * (i & 3));
+    }
+    return sum;
+}
+
 // One thread's 16 consecutive normed values o (from b) quantized: Q8 (a block of 32 is this
 // thread and tid ^ 1) and / or Q8_K (a block of 256 is 16 threads). Every lane of the warp
 // must call it (shuffles); `in`: b < n.
@@ -623,14 +636,8 @@ __device__ __forceinline__ void tail_quant(const NormTail &nt, const float (&o)[
         const float a2 = fmaxf(am, __shfl_xor_sync(FULL_MASK, am, 1));
         const float d = __fdiv_rn(a2, 127.0f);
         const float id = a2 != 0.0f ? __fdiv_rn(127.0f, a2) : 0.0f;
-        int qs = 0;
         u32 pk[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int i = 0; i < TAIL_VALS; i++) {
-            const int q = min(127, max(-128, __float2int_rn(__fmul_rn(o[i], id))));
-            qs += q;
-            pk[i >> 2] |= (u32)(q & 0xff) << (8 * (i & 3));
-        }
+        int qs = tail_codes(o, id, pk);
         qs += __shfl_xor_sync(FULL_MASK, qs, 1);
         if (in) {
             *(int4 *)(nt.aq + b) = make_int4((int)pk[0], (int)pk[1], (int)pk[2], (int)pk[3]);
@@ -656,11 +663,7 @@ __device__ __forceinline__ void tail_quant(const NormTail &nt, const float (&o)[
         }
         const float iscale = a16 != 0.0f ? __fdiv_rn(-127.0f, fv) : 0.0f;
         u32 pk[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int i = 0; i < TAIL_VALS; i++) {
-            const int q = min(127, max(-128, __float2int_rn(__fmul_rn(iscale, o[i]))));
-            pk[i >> 2] |= (u32)(q & 0xff) << (8 * (i & 3));
-        }
+        tail_codes(o, iscale, pk);  // (iscale * o: the product commutes)
         if (in) {
             *(int4 *)(nt.eq + b) = make_int4((int)pk[0], (int)pk[1], (int)pk[2], (int)pk[3]);
             if ((tid & 15) == 0) nt.edq[b >> 8] = a16 != 0.0f ? __fdiv_rn(1.0f, iscale) : 0.0f;

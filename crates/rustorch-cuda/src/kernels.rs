@@ -323,7 +323,7 @@ unsafe impl cudarc::driver::DeviceRepr for MmvJob {}
 
 /// The next RMSNorm done in the tail of an exact product (kernels/exact.cu `NormTail`).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct NormTail {
     x: u64,
     w: u64,
@@ -855,7 +855,6 @@ impl CudaDevice {
                 _ => None,
             };
             let tsuf = if nt.is_some() { "_t" } else { "" };
-            let nt_arg = nt.unwrap_or_default();
             if n_tok < 4 && exact_direct() {
                 let rows: usize = if glu {
                     2 * ws[i].n_rows
@@ -876,30 +875,25 @@ impl CudaDevice {
                         + 16 * dl * (cap / gpb + 4)
                         + if min { 32 * cap } else { 0 };
                     let capi = cap as i32;
-                    let name = format!("mmvd_{st}{tsuf}_c");
-                    let grid = (blocks(rows, 4), n_tok as u32, 1);
-                    if nt.is_some() {
-                        let args: [&dyn KernelArg; 6] = [&job, &aq, &ads, &nc, &capi, &nt_arg];
-                        self.launch_smem(&name, grid, 128, smem as u32, &args)?;
-                    } else {
-                        self.launch_smem(
-                            &name,
-                            grid,
-                            128,
-                            smem as u32,
-                            &[&job, &aq, &ads, &nc, &capi],
-                        )?;
-                    }
+                    let mut args: Vec<&dyn KernelArg> = vec![&job, &aq, &ads, &nc, &capi];
+                    args.extend(nt.as_ref().map(|t| t as &dyn KernelArg));
+                    self.launch_smem(
+                        &format!("mmvd_{st}{tsuf}_c"),
+                        (blocks(rows, 4), n_tok as u32, 1),
+                        128,
+                        smem as u32,
+                        &args,
+                    )?;
                 } else {
                     // eight threads per row, four rows (glu: two gate/up pairs) per warp
-                    let name = format!("mmvd_{st}{tsuf}");
-                    let grid = (blocks(rows, 16), n_tok as u32, 1);
-                    if nt.is_some() {
-                        let args: [&dyn KernelArg; 6] = [&job, &aq, &ads, &nc, &mode, &nt_arg];
-                        self.launch(&name, grid, 128, &args)?;
-                    } else {
-                        self.launch(&name, grid, 128, &[&job, &aq, &ads, &nc, &mode])?;
-                    }
+                    let mut args: Vec<&dyn KernelArg> = vec![&job, &aq, &ads, &nc, &mode];
+                    args.extend(nt.as_ref().map(|t| t as &dyn KernelArg));
+                    self.launch(
+                        &format!("mmvd_{st}{tsuf}"),
+                        (blocks(rows, 16), n_tok as u32, 1),
+                        128,
+                        &args,
+                    )?;
                 }
                 if let Some(t) = tail.filter(|_| nt.is_some()) {
                     self.tail_claim(t, s)?;
