@@ -396,10 +396,12 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 // (head, row) block, in chunks of at most AE_KV / hd cells (AE_CELLS at most):
 //   0. the chunk's slots and positions, then its keys and values into shared memory, every
 //      load of the chunk in flight together (16 bytes a load where the rows allow).
-//   1. every visible cell's score, a half-warp per cell: lane l keeps the four running sums
-//      of elements 64b + 16k + l (k = 0..3) as the CPU's 4 x 16 lanes, then (a0 + a2) +
-//      (a1 + a3), then the lane tree of _mm512_reduce_add_ps; leftovers past a multiple of 64
-//      added in f64; times `scale`.
+//   1. every visible cell's score, a thread per cell: the four running sums of elements
+//      64b + 16k + l (k = 0..3) of each of the CPU's 16 lanes l, then (a0 + a2) + (a1 + a3)
+//      per lane, then the lane tree of _mm512_reduce_add_ps; leftovers past a multiple of 64
+//      added in f64; times `scale`. (A half-warp per cell, the CPU's lanes in its lanes,
+//      took 3.4k cycles at 64 cells and 5.7k at 130; a thread per cell about 1.8k at either:
+//      docs/performance.md, session 21.)
 //   2. the running maximum before each cell (a block-wide scan of maxima; exact), hence each
 //      cell's rescale ms and weight vs exactly as the sequential walk finds them: a new
 //      maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1, vs = expf(s - m) (glibc's
@@ -424,17 +426,24 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 #endif
 #define AE_CELLS 256
 #define AE_KV 8192
-#define AE_HW (AE_THREADS / 16)
 
-extern "C" __global__ void __launch_bounds__(AE_THREADS)
+// (AE_MINB: blocks a multiprocessor the compiler keeps registers for; 1 (128 registers) is
+// faster than 2 (96). Timing only, `RUSTORCH_CUDA_DEFS=AE_PHASES`: block (0, 0)'s thread 0
+// prints the cycles of each phase, a line per launch.)
+#ifndef AE_MINB
+#define AE_MINB 1
+#endif
+extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     attn_exact(const float *__restrict__ q, const u64 *__restrict__ rows,
                const u16 *__restrict__ K, const u16 *__restrict__ V, float *__restrict__ out,
                int n_head, int n_head_kv, int hd, int kv_stride, float scale, float softcap,
                u32 window, int native, i8 *__restrict__ aq, float2 *__restrict__ ads,
                int quant, int rope, AttnRope ar) {
     PDL_ENTRY_INSIDE();
-    __shared__ float qs[256];
-    __shared__ __align__(16) u16 kst[AE_KV];  // the chunk's keys, cell after cell
+    __shared__ __align__(16) float qs[256];
+    // the chunk's keys, cell after cell, in rows of ks = hd + 8 values where hd is a multiple
+    // of 8 (a thread's 16-byte loads of a row; consecutive cells in different banks)
+    __shared__ __align__(16) u16 kst[AE_KV + 8 * AE_CELLS];
     __shared__ __align__(16) u16 vst[AE_KV];  // and values
     __shared__ float ssh[AE_CELLS];           // scores
     __shared__ float2 mv[AE_CELLS];           // (ms, vs) per cell
@@ -444,6 +453,15 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     __shared__ float Ssh;
     __shared__ int cnew;                      // the new cell's index in the chunk, or -1
     __shared__ u16 knew[256], vnew[256];      // its key and value, from this block's rotation
+#ifdef AE_PHASES
+    // timing only: block (0, 0)'s thread 0 prints its phases' cycles (entry, first chunk
+    // loaded, wait passed + rotation, scores, scan, chains, output)
+    long long ph[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#define AE_PH(i) (ph[i] = clock64())
+#else
+#define AE_PH(i) ((void)0)
+#endif
+    AE_PH(0);
     if (!rope) PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -459,6 +477,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
     const int CH = min(AE_CELLS, AE_KV / hd);  // cells per chunk
     const bool vec = (hd % 8) == 0 && (kv_stride % 8) == 0;
+    const int ks = (hd % 8) == 0 ? hd + 8 : hd;  // key row stride in kst
     // 0. the chunk's slots and positions; then (after a barrier) its keys and values
     auto load_cells = [&](int c0, int n) {
         if (tid == 0) cnew = -1;
@@ -490,7 +509,8 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
                 for (int u = 0; u < 4; u++) {
                     const int i = i0 + u * AE_THREADS;
                     if (i < tot) {
-                        ((uint4 *)kst)[i] = kr[u];
+                        const int c = i / pc, e = i - c * pc;
+                        ((uint4 *)kst)[c * (ks >> 3) + e] = kr[u];
                         ((uint4 *)vst)[i] = vr[u];
                     }
                 }
@@ -499,15 +519,17 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
             for (int i = tid; i < n * hd; i += AE_THREADS) {
                 const int c = i / hd, e = i - c * hd;
                 const size_t off = (size_t)slot[c] * kv_stride + e;
-                kst[i] = Kh[off];
+                kst[c * ks + e] = Kh[off];
                 vst[i] = Vh[off];
             }
         }
     };
     load_cells(0, min(CH, nc));
     load_kv(min(CH, nc));
+    AE_PH(1);
     if (rope) {
         PDL_ENTRY();
+        AE_PH(2);
         const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
         const int half = ar.n_rot / 2;
         const bool store = h % (n_head / n_head_kv) == 0;
@@ -534,11 +556,11 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         for (int i = tid; i < hd; i += AE_THREADS) qs[i] = h2f(f2h(qh[i]));
     }
     __syncthreads();
+    AE_PH(3);
     float acc = 0.0f;     // dimension tid
     float M = NEG_INF;    // the maximum over earlier chunks
     float S = 0.0f;       // (the last warp's lane 0)
     const bool fast = tid < hd && tid >= npn;  // a dimension rounded from f32 each step
-    const int hw = tid >> 4, hl = tid & 15;
     for (int c0 = 0; c0 < nc; c0 += CH) {
         const int n = min(CH, nc - c0);
         if (c0 > 0) {
@@ -549,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         // (the new cell from this block's rotation: the cache's copy is written by another
         // block, and the first chunk was loaded before it)
         if (cnew >= 0 && tid < hd) {
-            kst[cnew * hd + tid] = knew[tid];
+            kst[cnew * ks + tid] = knew[tid];
             vst[cnew * hd + tid] = vnew[tid];
         }
         __syncthreads();
@@ -558,48 +580,66 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         for (int ci = tid; ci < n; ci += AE_THREADS) ssh[ci] = -(float)ci;  // timing only
         if (0)
 #endif
-        for (int cb = 0; cb < n; cb += AE_HW) {
-            const int ci = cb + hw;
-            bool vis = false;
-            if (ci < n) {
-                const u32 p = spos[ci];
-                vis = p <= max_pos && p >= min_pos;
-            }
-            const u16 *kr = kst + (size_t)min(ci, n - 1) * hd;
-            float a = 0.0f;
-            if (vis) {
-                float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int ci = tid; ci < n; ci += AE_THREADS) {
+            const u32 p = spos[ci];
+            float s = NEG_INF;
+            if (p <= max_pos && p >= min_pos) {
+                const u16 *kr = kst + (size_t)ci * ks;
+                // lanes 8g..8g+7 at a time (g = 0, 1): a[k][e] the running sums of lane 8g + e
+                float A[8], w8[8];
 #pragma unroll
-                for (int b = 0; b < 4; b++) {
-                    if (b < nb) {
+                for (int g = 0; g < 2; g++) {
+                    float a[4][8];
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+#pragma unroll
+                        for (int e = 0; e < 8; e++) a[k][e] = 0.0f;
+                    for (int b = 0; b < nb; b++) {
 #pragma unroll
                         for (int k = 0; k < 4; k++) {
-                            const int i = 64 * b + 16 * k + hl;
-                            a4[k] = __fadd_rn(a4[k], __fmul_rn(qs[i], h2f(kr[i])));
+                            const int i = 64 * b + 16 * k + 8 * g;
+                            u16 kv[8];
+                            if (ks != hd) {
+                                const uint4 r = *(const uint4 *)(kr + i);
+                                const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                                for (int e = 0; e < 4; e++) {
+                                    kv[2 * e] = (u16)(w[e] & 0xffffu);
+                                    kv[2 * e + 1] = (u16)(w[e] >> 16);
+                                }
+                            } else {
+#pragma unroll
+                                for (int e = 0; e < 8; e++) kv[e] = kr[i + e];
+                            }
+                            const float4 q0 = *(const float4 *)(qs + i);
+                            const float4 q1 = *(const float4 *)(qs + i + 4);
+                            const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+                            for (int e = 0; e < 8; e++)
+                                a[k][e] = __fadd_rn(a[k][e], __fmul_rn(qv[e], h2f(kv[e])));
                         }
                     }
+#pragma unroll
+                    for (int e = 0; e < 8; e++) {
+                        const float l =
+                            __fadd_rn(__fadd_rn(a[0][e], a[2][e]), __fadd_rn(a[1][e], a[3][e]));
+                        if (g == 0) A[e] = l;
+                        else w8[e] = __fadd_rn(A[e], l);  // lane e + lane e + 8
+                    }
                 }
-                a = __fadd_rn(__fadd_rn(a4[0], a4[2]), __fadd_rn(a4[1], a4[3]));
+                float w4[4];
+#pragma unroll
+                for (int l = 0; l < 4; l++) w4[l] = __fadd_rn(w8[l], w8[l + 4]);
+                double sum = (double)__fadd_rn(__fadd_rn(w4[0], w4[2]), __fadd_rn(w4[1], w4[3]));
+                for (int i = np; i < hd; i++) sum += (double)__fmul_rn(qs[i], h2f(kr[i]));
+                s = __fmul_rn((float)sum, scale);
+                if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
             }
-            const float w8 = __fadd_rn(a, __shfl_down_sync(FULL_MASK, a, 8, 16));
-            const float w4 = __fadd_rn(w8, __shfl_down_sync(FULL_MASK, w8, 4, 16));
-            const float u0 = __shfl_sync(FULL_MASK, w4, 0, 16);
-            const float u1 = __shfl_sync(FULL_MASK, w4, 1, 16);
-            const float u2 = __shfl_sync(FULL_MASK, w4, 2, 16);
-            const float u3 = __shfl_sync(FULL_MASK, w4, 3, 16);
-            if (ci < n && hl == 0) {
-                float s = NEG_INF;
-                if (vis) {
-                    double sum = (double)__fadd_rn(__fadd_rn(u0, u2), __fadd_rn(u1, u3));
-                    for (int i = np; i < hd; i++) sum += (double)__fmul_rn(qs[i], h2f(kr[i]));
-                    s = __fmul_rn((float)sum, scale);
-                    if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
-                }
-                ssh[ci] = s;
-            }
+            ssh[ci] = s;
         }
         __syncthreads();
         // 2. running maxima, ms and vs
+        AE_PH(4);
         const int per = (n + AE_THREADS - 1) / AE_THREADS;
         const int e0 = min(n, tid * per), e1 = min(n, e0 + per);
         float lm = NEG_INF;
@@ -634,6 +674,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         for (int w = 0; w < AE_THREADS / 32; w++) M = fmaxf(M, wmax[w]);
         __syncthreads();
         // 3. the sequential chains
+        AE_PH(5);
 #ifdef AE_SKIP_CHAIN
         if (0) {  // timing only
 #else
@@ -664,6 +705,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
     }
     if (tid == AE_THREADS - 32) Ssh = S;
     __syncthreads();
+    AE_PH(6);
     if (tid < hd) {
         const float Sv = Ssh;
         const float inv = Sv == 0.0f ? 0.0f : __fdiv_rn(1.0f, Sv);
@@ -672,4 +714,11 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS)
         out[i] = o;
         if (quant) quantize_lane(o, aq, i, &ads[i >> 5], 1);
     }
+#ifdef AE_PHASES
+    if (h == 0 && t == 0 && tid == 0) {
+        AE_PH(7);
+        printf("AEPH %d %lld %lld %lld %lld %lld %lld %lld\n", nc, ph[1] - ph[0], ph[2] - ph[1],
+               ph[3] - ph[2], ph[4] - ph[3], ph[5] - ph[4], ph[6] - ph[5], ph[7] - ph[6]);
+    }
+#endif
 }

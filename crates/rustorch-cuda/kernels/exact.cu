@@ -568,10 +568,7 @@ __device__ __forceinline__ bool mmvd_row_of(const MmvJob &j, int rr, int &m, int
 
 // Lane 8r's value v of its row to the output; with glu, gate lanes (r even) write
 // silu(gate) * up with up from lane 8r + 8.
-// With `res` (the `_t` kernels: one matrix, one token), also res[wi] += v (the CPU's f32 add
-// of the residual).
-__device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool has, float v,
-                                           float *res = nullptr) {
+__device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool has, float v) {
     const size_t t = blockIdx.y;
     const bool lead = (threadIdx.x & 7) == 0;
     if (j.glu) {
@@ -580,161 +577,7 @@ __device__ __forceinline__ void mmvd_store(const MmvJob &j, int m, int wi, bool 
             j.out[0][t * j.rows[0] + wi] = swiglu_cpu(v, u, wi, j.rows[0]);
         return;
     }
-    if (has && lead) {
-        job_out(j, m)[t * job_rows(j, m) + wi] = v;
-        if (res != nullptr) res[wi] = __fadd_rn(res[wi], v);
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// The next RMSNorm in the tail of the product before it (the `_t` kernels, exact mode, one
-// token; RUSTORCH_CUDA_NORM_TAIL=1; without w, RUSTORCH_CUDA_QUANT_TAIL=1, only the
-// quantization of a gate/up product's own output, for the down product): the product adds
-// its rows into the residual x, and the last of its blocks to finish (a counter, reset by
-// that block) computes h = rms_norm(x) * w with the rms_norm kernel's arithmetic (squares rounded to f32 and summed in f64, then
-// (x * scale) * w) and quantizes h as the CPU does for the products that read it: Q8 blocks
-// of 32 (quantize_lane's cpu rule) into aq / ads and / or Q8_K blocks of 256 (q8k_warp's
-// rule, one token) into eq / edq. So the norm needs no launch of its own: one block does it
-// while the next kernel's blocks wait, instead of a dependent launch.
-struct NormTail {
-    float *x;
-    const float *w;
-    float *h;
-    i8 *aq;
-    float2 *ads;
-    i8 *eq;
-    float *edq;
-    u32 *counter;
-    float eps;
-    int n;  // a multiple of 32 (of 256 with eq); the last block loops over rounds of 16 a thread
-};
-#define TAIL_VALS 16
-
-// The 8-bit codes min(127, max(-128, round_half_even(o * m))) of 16 values packed four to a
-// word into pk; returns their sum.
-__device__ __forceinline__ int tail_codes(const float (&o)[TAIL_VALS], float m, u32 (&pk)[4]) {
-    int sum = 0;
-#pragma unroll
-    for (int i = 0; i < TAIL_VALS; i++) {
-        const int q = min(127, max(-128, __float2int_rn(__fmul_rn(o[i], m))));
-        sum += q;
-        pk[i >> 2] |= (u32)(q & 0xff) << (8 * (i & 3));
-    }
-    return sum;
-}
-
-// One thread's 16 consecutive normed values o (from b) quantized: Q8 (a block of 32 is this
-// thread and tid ^ 1) and / or Q8_K (a block of 256 is 16 threads). Every lane of the warp
-// must call it (shuffles); `in`: b < n.
-__device__ __forceinline__ void tail_quant(const NormTail &nt, const float (&o)[TAIL_VALS], int b,
-                                           bool in) {
-    const int tid = threadIdx.x;
-    float am = 0.0f;
-#pragma unroll
-    for (int i = 0; i < TAIL_VALS; i++) am = fmaxf(am, fabsf(o[i]));
-    if (nt.aq != nullptr) {
-        const float a2 = fmaxf(am, __shfl_xor_sync(FULL_MASK, am, 1));
-        const float d = __fdiv_rn(a2, 127.0f);
-        const float id = a2 != 0.0f ? __fdiv_rn(127.0f, a2) : 0.0f;
-        u32 pk[4] = {0u, 0u, 0u, 0u};
-        int qs = tail_codes(o, id, pk);
-        qs += __shfl_xor_sync(FULL_MASK, qs, 1);
-        if (in) {
-            *(int4 *)(nt.aq + b) = make_int4((int)pk[0], (int)pk[1], (int)pk[2], (int)pk[3]);
-            if ((tid & 1) == 0)
-                nt.ads[b >> 5] = make_float2(h2f(f2h(d)), h2f(f2h(__fmul_rn(d, (float)qs))));
-        }
-    }
-    if (nt.eq != nullptr) {
-        float a16 = am;
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) a16 = fmaxf(a16, __shfl_xor_sync(FULL_MASK, a16, off));
-        // max = the block's first value of largest magnitude
-        int first = 0x7fffffff;
-        float fv = 0.0f;
-#pragma unroll
-        for (int i = TAIL_VALS - 1; i >= 0; i--)
-            if (fabsf(o[i]) == a16) first = b + i, fv = o[i];
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) {
-            const int of = __shfl_xor_sync(FULL_MASK, first, off);
-            const float ov = __shfl_xor_sync(FULL_MASK, fv, off);
-            if (of < first) first = of, fv = ov;
-        }
-        const float iscale = a16 != 0.0f ? __fdiv_rn(-127.0f, fv) : 0.0f;
-        u32 pk[4] = {0u, 0u, 0u, 0u};
-        tail_codes(o, iscale, pk);  // (iscale * o: the product commutes)
-        if (in) {
-            *(int4 *)(nt.eq + b) = make_int4((int)pk[0], (int)pk[1], (int)pk[2], (int)pk[3]);
-            if ((tid & 15) == 0) nt.edq[b >> 8] = a16 != 0.0f ? __fdiv_rn(1.0f, iscale) : 0.0f;
-        }
-    }
-}
-
-// Called by every thread of every block after its rows are stored (and added into nt.x).
-__device__ __noinline__ void norm_tail(const NormTail &nt) {
-    __shared__ int tail_last;
-    __shared__ double tail_ss[32];
-    __threadfence();  // this block's rows of x visible before its count
-    __syncthreads();
-    if (threadIdx.x == 0)
-        tail_last = atomicAdd(nt.counter, 1u) == gridDim.x * gridDim.y - 1;
-    __syncthreads();
-    if (!tail_last) return;
-    __threadfence();
-    const int tid = threadIdx.x, lane = tid & 31, n = nt.n, step = TAIL_VALS * blockDim.x;
-    // x read through L2 (__ldcg): this multiprocessor's L1 may hold lines of it from before
-    // the other blocks' adds
-    // (without w, no norm: x itself quantized, e.g. a gate/up product's output for the down
-    // product; the branch is the same for the whole block)
-    const bool norm = nt.w != nullptr;
-    float scale = 1.0f;
-    if (norm) {
-        double s = 0.0;
-        for (int b = TAIL_VALS * tid; b < n; b += step) {
-            const float4 *x4 = (const float4 *)(nt.x + b);
-            float4 r[4];
-#pragma unroll
-            for (int k = 0; k < 4; k++) r[k] = __ldcg(x4 + k);
-            // (the first round's weights asked for with its values: in L1 for the second pass)
-            if (b < step) {
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    asm volatile("prefetch.global.L1 [%0];" ::"l"(nt.w + b + 4 * k));
-            }
-#pragma unroll
-            for (int k = 0; k < 4; k++) add_sq4(s, r[k]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-        if (lane == 0) tail_ss[tid >> 5] = s;
-        __syncthreads();
-        double tot = 0.0;
-        for (int k = 0; k < (int)(blockDim.x >> 5); k++) tot += tail_ss[k];
-        const float mean = (float)(tot / (double)n);
-        scale = 1.0f / sqrtf(mean + nt.eps);
-    }
-    for (int r0 = 0; r0 < n; r0 += step) {
-        const int b = r0 + TAIL_VALS * tid;
-        const bool in = b < n;
-        float o[TAIL_VALS];
-        if (in) {
-            const float4 *x4 = (const float4 *)(nt.x + b);
-            const float4 *w4 = norm ? (const float4 *)(nt.w + b) : nullptr;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float4 v = __ldcg(x4 + k);
-                const float4 h = norm ? norm4(v, scale, w4[k]) : v;
-                o[4 * k] = h.x, o[4 * k + 1] = h.y, o[4 * k + 2] = h.z, o[4 * k + 3] = h.w;
-                if (norm) ((float4 *)(nt.h + b))[k] = h;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < TAIL_VALS; i++) o[i] = 0.0f;
-        }
-        tail_quant(nt, o, b, in);
-    }
-    if (tid == 0) *nt.counter = 0u;  // (the next launch's count; the launches are serialized)
+    if (has && lead) job_out(j, m)[t * job_rows(j, m) + wi] = v;
 }
 
 // One thread's walk of n staged sums sp (lane-major, 16-byte aligned) with their factors dp:
@@ -831,10 +674,9 @@ __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, con
     }
 }
 
-template <class F, bool MIN, bool TAIL = false>
+template <class F, bool MIN>
 __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq,
-                                                   const float2 *ads, int n_cols,
-                                                   const NormTail *nt = nullptr) {
+                                                   const float2 *ads, int n_cols) {
     __shared__ R4Smem<MIN> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
@@ -845,12 +687,7 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     const size_t t = blockIdx.y;
     const float v = mmvd_legacy<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb,
                                         smem[threadIdx.x >> 5]);
-    if constexpr (TAIL) {
-        mmvd_store(j, m, wi, has, v, nt->x);
-        norm_tail(*nt);
-    } else {
-        mmvd_store(j, m, wi, has, v);
-    }
+    mmvd_store(j, m, wi, has, v);
 }
 
 // Cooperative products (the `_c` kernels): a block of 128 threads per four rows. Every
@@ -928,10 +765,10 @@ struct CoopQ4K {
     }
 };
 
-template <class P, bool TAIL = false>
+template <class P>
 __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const void *__restrict__ scales, int n_cols,
-                                                 int cap, const NormTail *nt = nullptr) {
+                                                 int cap) {
     extern __shared__ int4 dyn[];
     constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
     const int C = cap + 4, CS = cap / GPB + 4;
@@ -990,26 +827,17 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
         }
         __syncthreads();
     }
-    // warp 0's lanes 8r hold the rows' values
-    auto finish = [&](float *res) {
-        float v;
-        if (DL == 2) {
-            v = __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));
-        } else {
-            const float sum = hsum8_lanes(acc);
-            v = P::MIN ? __fadd_rn(sum, summs) : sum;
-        }
-        int m, wi;
-        const bool has = mmvd_row_of(j, r, m, wi, blockIdx.x);
-        mmvd_store(j, m, wi, has, v, res);
-    };
-    if constexpr (TAIL) {
-        if (tid < 32) finish(nt->x);
-        norm_tail(*nt);
+    if (tid >= 32) return;
+    float v;
+    if (DL == 2) {
+        v = __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1));
     } else {
-        if (tid >= 32) return;
-        finish(nullptr);
+        const float sum = hsum8_lanes(acc);
+        v = P::MIN ? __fadd_rn(sum, summs) : sum;
     }
+    int m, wi;
+    const bool has = mmvd_row_of(j, r, m, wi, blockIdx.x);
+    mmvd_store(j, m, wi, has, v);
 }
 
 #define MMVD_LEGACY(NAME, F, MIN)                                                             \
@@ -1029,26 +857,6 @@ MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)
 MMVD_LEGACY(q8_0, FQ8_0, false)
 
-// The same with the next norm in their tail (see NormTail): `mmvd_*_t`, `mmvd_*_t_c`.
-#define MMVD_LEGACY_T(NAME, F, MIN)                                                           \
-    extern "C" __global__ void __launch_bounds__(128)                                         \
-        mmvd_##NAME##_t(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int,           \
-                        NormTail nt) {                                                        \
-        PDL_ENTRY_INSIDE();                                                                   \
-        mmvd_legacy_kernel<F, MIN, true>(j, aq, ads, n_cols, &nt);                            \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128)                                         \
-        mmvd_##NAME##_t_c(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap,     \
-                          NormTail nt) {                                                      \
-        PDL_ENTRY_INSIDE();                                                                   \
-        mmvd_coop_kernel<CoopLegacy<F, MIN>, true>(j, aq, ads, n_cols, cap, &nt);             \
-    }
-MMVD_LEGACY_T(q4_0, FQ4_0, false)
-MMVD_LEGACY_T(q4_1, FQ4_1, true)
-MMVD_LEGACY_T(q5_0, FQ5_0, false)
-MMVD_LEGACY_T(q5_1, FQ5_1, true)
-MMVD_LEGACY_T(q8_0, FQ8_0, false)
-
 #define MMVD_COOP(NAME, P, BOUNDS)                                                           \
     extern "C" __global__ void BOUNDS                                                       \
         mmvd_##NAME##_c(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap) {     \
@@ -1065,12 +873,3 @@ MMVD_LEGACY_T(q8_0, FQ8_0, false)
 #endif
 MMVD_COOP(q4_k, CoopQ4K, __launch_bounds__(128, MMVD_Q4K_MINB))
 MMVD_COOP(q6_k, CoopQ6K, __launch_bounds__(128))
-#define MMVD_COOP_T(NAME, P, BOUNDS)                                                         \
-    extern "C" __global__ void BOUNDS                                                       \
-        mmvd_##NAME##_t_c(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap,     \
-                          NormTail nt) {                                                    \
-        PDL_ENTRY_INSIDE();                                                                 \
-        mmvd_coop_kernel<P, true>(j, aq, dq, n_cols, cap, &nt);                             \
-    }
-MMVD_COOP_T(q4_k, CoopQ4K, __launch_bounds__(128, MMVD_Q4K_MINB))
-MMVD_COOP_T(q6_k, CoopQ6K, __launch_bounds__(128))

@@ -21,7 +21,7 @@ use rustorch_core::kv_cache::{KvCache, SeqId};
 use crate::device::LaunchMode;
 use crate::device::{CudaDevice, GpuVec};
 use crate::error::CudaError;
-use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm, TailNorm, NORM_Q8, NORM_Q8K};
+use crate::kernels::{AttnRow, AttnShape, CudaMatrix, FoldNorm, NORM_Q8, NORM_Q8K};
 use crate::kv::CudaKvStore;
 use crate::step::{self, Captured, CudaState, GraphBox};
 
@@ -117,8 +117,6 @@ struct PendingMm {
     w: *const CudaMatrix,
     x: (u64, usize),
     out: (u64, usize),
-    /// (exact mode's norm tail) the residual `x += out` that `add` joined to it
-    acc: Option<u64>,
 }
 
 /// A held-back norm (see `Cuda::pending_norm`): `out = rms_norm(x) * w`; with `y` (exact
@@ -542,93 +540,18 @@ impl<'a> Cuda<'a> {
         }
     }
 
-    /// Launches a deferred product (and the residual add joined to it).
+    /// Launches a deferred product.
     fn flush_mm(&mut self) {
         if let Some(p) = self.pending_mm.take() {
             // SAFETY: the matrix and buffers `matmul` was given, alive through the call
             // (the model's weights, the architecture's workspace); `out` already has its
-            // length; `acc`, the live buffer `add` was given, of out's length.
+            // length.
             let r = unsafe {
                 let x = GpuVec::<f32>::borrowed(p.x.0, p.x.1);
                 let mut out = GpuVec::<f32>::borrowed(p.out.0, p.out.1);
-                let dev = self.dev;
-                let r = dev.matmul(&*p.w, &x, &mut out, &mut self.st().s);
-                match p.acc {
-                    Some(a) => r.and_then(|_| dev.add_raw(a, p.out.0, p.out.1)),
-                    None => r,
-                }
+                self.dev.matmul(&*p.w, &x, &mut out, &mut self.st().s)
             };
             self.keep(r);
-        }
-    }
-
-    /// Holds back the product `out = x·W` (see `pending_mm`), after the deferred norm it
-    /// may read.
-    fn hold_mm(
-        &mut self,
-        w: &CudaMatrix,
-        x: &GpuVec<f32>,
-        out: &mut GpuVec<f32>,
-    ) -> Result<(), BackendError> {
-        self.flush_norm_for(x, &[w]);
-        self.check()?;
-        out.resize(self.dev, w.n_rows).map_err(be_err)?;
-        self.pending_mm = Some(PendingMm {
-            w: w as *const CudaMatrix,
-            x: (x.ptr(), x.len()),
-            out: (out.ptr(), out.len()),
-            acc: None,
-        });
-        Ok(())
-    }
-
-    /// Whether exact mode's one-token products may add their rows into the residual and do
-    /// the next norm in their tail (`RUSTORCH_CUDA_NORM_TAIL=1`; no hook, not the persistent
-    /// kernel).
-    fn exact_tail_on(&self) -> bool {
-        let a = crate::kernels::arith();
-        self.hook.is_none() && crate::kernels::norm_tail_enabled() && !a.mega && self.dev.exact()
-    }
-
-    /// Before products `ws` of `x`: where a deferred exact product with its residual add is
-    /// followed by a deferred norm of that residual whose output is `x`, launches the
-    /// product with the norm in its tail (quantized as `ws` take it); both then count as
-    /// launched. Otherwise leaves them deferred.
-    fn launch_tail(&mut self, x: &GpuVec<f32>, ws: &[&CudaMatrix]) {
-        let (Some(pm), Some(pn)) = (&self.pending_mm, &self.pending_norm) else {
-            return;
-        };
-        let Some(ax) = pm.acc else {
-            return;
-        };
-        if pn.x.0 != ax || pn.out != (x.ptr(), x.len()) || pn.y.is_some() || pn.x.1 != pn.w.1 {
-            return;
-        }
-        let t = TailNorm {
-            x: ax,
-            w: pn.w.0,
-            eps: pn.eps,
-            h: pn.out.0,
-            n: pn.x.1,
-            kinds: CudaDevice::norm_kinds(ws),
-        };
-        let (Some(pm), Some(pn)) = (self.pending_mm.take(), self.pending_norm.take()) else {
-            return;
-        };
-        // SAFETY: as in flush_mm.
-        let r = unsafe {
-            let xin = GpuVec::<f32>::borrowed(pm.x.0, pm.x.1);
-            let mut out = GpuVec::<f32>::borrowed(pm.out.0, pm.out.1);
-            let dev = self.dev;
-            dev.matmul_exact_tail(&*pm.w, &xin, &mut out, &t, &mut self.st().s)
-        };
-        match r {
-            Some(r) => self.keep(r),
-            None => {
-                // (this product or norm cannot: launched apart by the caller's flushes)
-                self.pending_mm = Some(pm);
-                self.pending_norm = Some(pn);
-            }
         }
     }
 
@@ -1019,13 +942,8 @@ impl<'a> Backend for Cuda<'a> {
 
     fn rms_norm(&mut self, x: &GpuVec<f32>, w: &GpuVec<f32>, eps: f32, out: &mut GpuVec<f32>) {
         // a deferred `x += y` joins the norm's launch; the norm also quantizes its output
-        // for the product that follows. (Exact mode's norm tail: a deferred product adding
-        // into x stays deferred, see launch_tail.)
-        let tail = matches!(&self.pending_mm, Some(p) if p.acc == Some(x.ptr()))
-            && self.pending_norm.is_none();
-        if !tail {
-            self.flush_mm();
-        }
+        // for the product that follows
+        self.flush_mm();
         self.flush_norm();
         let y = match self.pending_add {
             Some((px, py, n)) if px == x.ptr() && n == x.len() => {
@@ -1048,10 +966,7 @@ impl<'a> Backend for Cuda<'a> {
             self.keep(Err(e));
             return;
         }
-        if !tail {
-            // (with the norm tail, the deferred product still reads its input's quantization)
-            self.st().s.acts_of = None;
-        }
+        self.st().s.acts_of = None;
         self.pending_norm = Some(PendingNorm {
             x: (x.ptr(), x.len()),
             y,
@@ -1060,7 +975,6 @@ impl<'a> Backend for Cuda<'a> {
             out: (out.ptr(), out.len()),
         });
         if !hold {
-            self.flush_mm();
             self.flush_norm();
         }
     }
@@ -1077,7 +991,6 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         out: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
-        self.launch_tail(x, &[w]);
         self.flush_mm();
         self.flush_add();
         self.flush_rope();
@@ -1092,11 +1005,15 @@ impl<'a> Backend for Cuda<'a> {
                 }
             }
             // held back: an `add(_, out)` next may take it (see `add`)
-            return self.hold_mm(w, x, out);
-        }
-        if self.exact_tail_on() && dev.exact_tail_ok(w, x.len()) {
-            // exact mode's norm tail: held back likewise, for `add` and the norm after it
-            return self.hold_mm(w, x, out);
+            self.flush_norm();
+            self.check()?;
+            out.resize(dev, w.n_rows).map_err(be_err)?;
+            self.pending_mm = Some(PendingMm {
+                w: w as *const CudaMatrix,
+                x: (x.ptr(), x.len()),
+                out: (out.ptr(), out.len()),
+            });
+            return Ok(());
         }
         self.flush_norm_for(x, &[w]);
         self.check()?;
@@ -1109,7 +1026,6 @@ impl<'a> Backend for Cuda<'a> {
         x: &GpuVec<f32>,
         outs: &mut [&mut GpuVec<f32>],
     ) -> Result<(), BackendError> {
-        self.launch_tail(x, ws);
         self.flush_mm();
         self.flush_add();
         self.flush_rope();
@@ -1145,7 +1061,6 @@ impl<'a> Backend for Cuda<'a> {
         gate: &mut GpuVec<f32>,
         up: &mut GpuVec<f32>,
     ) -> Result<(), BackendError> {
-        self.launch_tail(x, &[wg, wu]);
         self.flush_mm();
         self.flush_add();
         self.flush_rope();
@@ -1167,18 +1082,6 @@ impl<'a> Backend for Cuda<'a> {
         }
         self.flush_norm_for(x, &[wg, wu]);
         self.check()?;
-        if self.hook.is_none()
-            && act == Glu::Silu
-            && !crate::kernels::arith().mega
-            && crate::kernels::quant_tail_enabled()
-        {
-            // exact mode: the output quantized in the product's tail, as the gate/up
-            // matrices' family takes it (the down product quantizes for itself otherwise)
-            let kinds = CudaDevice::norm_kinds(&[wg, wu]);
-            if let Some(r) = dev.glu_exact_tail(wg, wu, x, gate, kinds, &mut self.st().s) {
-                return r.map_err(be_err);
-            }
-        }
         if self.hook.is_none() {
             if let Some(r) = dev.glu_fused(act == Glu::Gelu, wg, wu, x, gate, &mut self.st().s) {
                 return r.map_err(be_err);
@@ -1209,25 +1112,8 @@ impl<'a> Backend for Cuda<'a> {
     }
 
     fn add(&mut self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) {
-        if let Some(p) = &mut self.pending_mm {
-            if self.dev.exact()
-                && p.acc.is_none()
-                && p.out == (y.ptr(), y.len())
-                && x.len() == y.len()
-                && x.ptr() != p.x.0
-            {
-                // exact mode's norm tail: the held-back product will add its rows into x
-                p.acc = Some(x.ptr());
-                return;
-            }
-        }
         if let Some(p) = &self.pending_mm {
-            // (a product that already adds into another buffer: flushed by `touch` below)
-            if p.acc.is_none()
-                && p.out == (y.ptr(), y.len())
-                && x.len() == y.len()
-                && x.ptr() != p.x.0
-            {
+            if p.out == (y.ptr(), y.len()) && x.len() == y.len() && x.ptr() != p.x.0 {
                 // the held-back product adds its rows into x as it stores them
                 let Some(p) = self.pending_mm.take() else {
                     return;

@@ -111,11 +111,6 @@ pub struct CudaDevice {
     events: Arc<AtomicU64>,
     /// The CPU backend's arithmetic, bit for bit (see [`CudaDevice::set_exact`]).
     exact: Arc<AtomicBool>,
-    /// The counter of the products that do a norm in their tail (zero between launches:
-    /// their last block resets it; `CudaDevice::matmul_exact_tail`), made with the device
-    /// so that no recorded step has to allocate it. One per stream: its launches are
-    /// serialized.
-    pub(crate) tail_counter: Arc<OnceLock<GpuVec<u32>>>,
     pub info: DeviceInfo,
     pub module: ModuleInfo,
 }
@@ -305,7 +300,7 @@ impl CudaDevice {
             }
             funcs.insert(name, f);
         }
-        let dev = CudaDevice {
+        Ok(CudaDevice {
             stream,
             ctx,
             _module: module,
@@ -324,13 +319,9 @@ impl CudaDevice {
             exact: Arc::new(AtomicBool::new(
                 std::env::var("RUSTORCH_CUDA_EXACT").is_ok_and(|v| v == "1"),
             )),
-            tail_counter: Arc::new(OnceLock::new()),
             info,
             module: minfo,
-        };
-        let counter = dev.upload(&[0u32])?;
-        let _ = dev.tail_counter.set(counter);
-        Ok(dev)
+        })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {

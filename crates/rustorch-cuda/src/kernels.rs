@@ -65,7 +65,8 @@ pub struct Arith {
     /// Timing only, results wrong (`RUSTORCH_CUDA_PROBE=nonorm,noattn,noqkv,noglu,noo,nodown,
     /// noout`): one-row launches of that kind skipped (RMSNorm, attention with its rotation
     /// and cache write, the Q/K/V, gate/up, square, wider-than-tall and output products), to
-    /// measure what each costs in a decode step.
+    /// measure what each costs in a decode step; `samew`: every weight matrix a view of the
+    /// first of its shape (one layer's weights, L2-resident).
     pub probe: u32,
     /// Exact mode: every norm quantizes its output both ways, as before the norms learnt
     /// which their products take (`RUSTORCH_CUDA_NORMQ=both`; for comparisons).
@@ -104,6 +105,7 @@ pub fn arith() -> Arith {
                     "noo" => 16,
                     "nodown" => 32,
                     "noout" => 64,
+                    "samew" => 128,
                     _ => 0,
                 })
                 .fold(0, |a, b| a | b),
@@ -181,10 +183,8 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("mmve_{s}"));
             v.push(format!("mmve_{s}_l"));
             v.push(format!("mmvd_{s}_c"));
-            v.push(format!("mmvd_{s}_t_c"));
             if !matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
                 v.push(format!("mmvd_{s}"));
-                v.push(format!("mmvd_{s}_t"));
             }
         }
     }
@@ -320,73 +320,6 @@ struct MmvJob {
 
 // SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
 unsafe impl cudarc::driver::DeviceRepr for MmvJob {}
-
-/// The next RMSNorm done in the tail of an exact product (kernels/exact.cu `NormTail`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct NormTail {
-    x: u64,
-    w: u64,
-    h: u64,
-    aq: u64,
-    ads: u64,
-    eq: u64,
-    edq: u64,
-    counter: u64,
-    eps: f32,
-    n: i32,
-}
-
-// SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
-unsafe impl cudarc::driver::DeviceRepr for NormTail {}
-
-/// A norm for [`CudaDevice::matmul_exact_tail`]: `h = rms_norm(x) * w` over the `n` values
-/// at `x` (device addresses; `x` is also the residual the product adds into), quantized
-/// into `kinds` ([`CudaDevice::norm_kinds`]).
-pub(crate) struct TailNorm {
-    pub x: u64,
-    pub w: u64,
-    pub eps: f32,
-    pub h: u64,
-    pub n: usize,
-    pub kinds: u8,
-}
-
-/// Whether the tail block of a product can do `t` with `s` as it is: `t.n` within its reach
-/// (16 values a thread of 128, up to 8 rounds) and the scratch already large enough (it
-/// must not be reallocated: the product reads its own input's quantization from it).
-fn tail_room(t: &TailNorm, s: &Scratch) -> bool {
-    let n = t.n;
-    let room = |c: usize| c >= n;
-    let (q8, q8k) = t.quantizations();
-    (32..=16 * 128 * 8).contains(&n)
-        && n.is_multiple_of(32)
-        && (!q8 || (room(s.aq.capacity()) && room(s.ads.capacity() * 16)))
-        && (!q8k || (room(s.eq.capacity()) && room(s.eds.capacity() * 256)))
-}
-
-impl TailNorm {
-    /// Which quantizations the tail writes: (8-bit blocks of 32, Q8_K blocks of 256), as
-    /// `norm_raw` would for one token.
-    fn quantizations(&self) -> (bool, bool) {
-        let q8k = self.n.is_multiple_of(256) && self.kinds & NORM_Q8K != 0;
-        (self.kinds & NORM_Q8 != 0 || !q8k, q8k)
-    }
-}
-
-/// Whether exact mode's one-token gate/up products may quantize their output in their tail
-/// (`RUSTORCH_CUDA_QUANT_TAIL=1`; experimental, off by default until measured).
-pub fn quant_tail_enabled() -> bool {
-    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *F.get_or_init(|| std::env::var("RUSTORCH_CUDA_QUANT_TAIL").is_ok_and(|v| v == "1"))
-}
-
-/// Whether exact mode's one-token products may do the next norm in their tail
-/// (`RUSTORCH_CUDA_NORM_TAIL=1`; experimental, off by default until measured).
-pub fn norm_tail_enabled() -> bool {
-    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *F.get_or_init(|| std::env::var("RUSTORCH_CUDA_NORM_TAIL").is_ok_and(|v| v == "1"))
-}
 
 /// One query row's cells for [`CudaDevice::attention`]: the device address of their slots
 /// in the K/V pools (u32 per cell; 0 = cell `c` is slot `c`) and of their positions (u32 per
@@ -646,11 +579,31 @@ impl CudaDevice {
                 bytes.len()
             )));
         }
+        let data = if arith().probe & 128 != 0 {
+            // timing only (results wrong): every matrix of a shape seen before is a view of
+            // the first one's bytes, so a step reads one layer's weights again and again
+            // (L2-resident): the ceiling of any weight prefetching
+            type Seen = std::collections::HashMap<(GgmlType, usize, usize), (u64, usize)>;
+            static SEEN: std::sync::Mutex<Option<Seen>> = std::sync::Mutex::new(None);
+            let mut g = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+            let seen = g.get_or_insert_with(Default::default);
+            match seen.get(&(ty, n_rows, n_cols)) {
+                // SAFETY: the first matrix of the shape is kept by the model (probe only)
+                Some(&(ptr, len)) => unsafe { GpuVec::borrowed(ptr, len) },
+                None => {
+                    let data = self.upload(bytes)?;
+                    seen.insert((ty, n_rows, n_cols), (data.ptr(), data.len()));
+                    data
+                }
+            }
+        } else {
+            self.upload(bytes)?
+        };
         Ok(CudaMatrix {
             ty,
             n_rows,
             n_cols,
-            data: self.upload(bytes)?,
+            data,
         })
     }
 
@@ -732,7 +685,7 @@ impl CudaDevice {
         let n_tok = x.len() / n_cols;
         if self.exact() && ws.iter().any(|w| exact_ok(w)) {
             if ws.iter().all(|w| exact_ok(w)) {
-                return self.mmv_exact(ws, x, n_tok, outs, false, s, None);
+                return self.mmv_exact(ws, x, n_tok, outs, false, s);
             }
             // the matrices with an exact product take it, the others the default kernels
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -768,7 +721,6 @@ impl CudaDevice {
     /// norm's), then `mmvd_*` for one to three tokens (four rows per group of eight-thread
     /// chains) or a warp per row and token (`mmve_*`), up to three matrices of one type per
     /// launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
-    #[allow(clippy::too_many_arguments)]
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
@@ -777,7 +729,6 @@ impl CudaDevice {
         outs: &mut [&mut GpuVec<f32>],
         glu: bool,
         s: &mut Scratch,
-        tail: Option<&TailNorm>,
     ) -> Result<()> {
         let n_cols = ws[0].n_cols;
         let nc = n_cols as i32;
@@ -845,16 +796,6 @@ impl CudaDevice {
                 continue;
             }
             let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
-            // (the callers, matmul_exact_tail and glu_exact_tail, checked: one token, the
-            // direct kernels, room in the scratch)
-            let nt = match tail {
-                // (a norm after one matrix's product, or the quantization of a glu's output)
-                Some(t) if n_tok == 1 && ((ws.len() == 1 && !glu) || (glu && t.w == 0)) => {
-                    Some(self.tail_params(t, s)?)
-                }
-                _ => None,
-            };
-            let tsuf = if nt.is_some() { "_t" } else { "" };
             if n_tok < 4 && exact_direct() {
                 let rows: usize = if glu {
                     2 * ws[i].n_rows
@@ -875,28 +816,21 @@ impl CudaDevice {
                         + 16 * dl * (cap / gpb + 4)
                         + if min { 32 * cap } else { 0 };
                     let capi = cap as i32;
-                    let mut args: Vec<&dyn KernelArg> = vec![&job, &aq, &ads, &nc, &capi];
-                    args.extend(nt.as_ref().map(|t| t as &dyn KernelArg));
                     self.launch_smem(
-                        &format!("mmvd_{st}{tsuf}_c"),
+                        &format!("mmvd_{st}_c"),
                         (blocks(rows, 4), n_tok as u32, 1),
                         128,
                         smem as u32,
-                        &args,
+                        &[&job, &aq, &ads, &nc, &capi],
                     )?;
                 } else {
                     // eight threads per row, four rows (glu: two gate/up pairs) per warp
-                    let mut args: Vec<&dyn KernelArg> = vec![&job, &aq, &ads, &nc, &mode];
-                    args.extend(nt.as_ref().map(|t| t as &dyn KernelArg));
                     self.launch(
-                        &format!("mmvd_{st}{tsuf}"),
+                        &format!("mmvd_{st}"),
                         (blocks(rows, 16), n_tok as u32, 1),
                         128,
-                        &args,
+                        &[&job, &aq, &ads, &nc, &mode],
                     )?;
-                }
-                if let Some(t) = tail.filter(|_| nt.is_some()) {
-                    self.tail_claim(t, s)?;
                 }
                 i = k;
                 continue;
@@ -921,110 +855,6 @@ impl CudaDevice {
             )?;
             i = k;
         }
-        Ok(())
-    }
-
-    /// Whether `w`'s exact product of one token of `n` values can add its rows into the
-    /// residual and do the next norm in its tail ([`CudaDevice::matmul_exact_tail`]).
-    pub(crate) fn exact_tail_ok(&self, w: &CudaMatrix, n: usize) -> bool {
-        self.exact() && exact_direct() && exact_ok(w) && n == w.n_cols && arith().q8_cpu
-    }
-
-    /// One token's exact product `out = x·W` that also adds its rows into the residual
-    /// `norm.x` (the CPU's f32 add), the last of its blocks then doing `norm` of the sum
-    /// (kernels/exact.cu `NormTail`): the norm's launch saved. Its quantizations are left
-    /// in `s` for the products that read `norm.h`. None where this product or norm cannot
-    /// (nothing was done).
-    pub(crate) fn matmul_exact_tail(
-        &self,
-        w: &CudaMatrix,
-        x: &GpuVec<f32>,
-        out: &mut GpuVec<f32>,
-        norm: &TailNorm,
-        s: &mut Scratch,
-    ) -> Option<Result<()>> {
-        let ok = self.exact_tail_ok(w, x.len()) && w.n_rows == norm.n && tail_room(norm, s);
-        if !ok {
-            return None;
-        }
-        Some(self.mmv_exact(&[w], x, 1, &mut [out], false, s, Some(norm)))
-    }
-
-    /// One token's exact `gate = silu(x·Wg) ⊙ x·Wu` whose last block then quantizes `gate`
-    /// as `kinds` asks (for the down product: its quantization launch saved;
-    /// `RUSTORCH_CUDA_QUANT_TAIL=1`, experimental). None where it cannot (nothing done).
-    pub(crate) fn glu_exact_tail(
-        &self,
-        wg: &CudaMatrix,
-        wu: &CudaMatrix,
-        x: &GpuVec<f32>,
-        gate: &mut GpuVec<f32>,
-        kinds: u8,
-        s: &mut Scratch,
-    ) -> Option<Result<()>> {
-        let n = wg.n_rows;
-        let same = wg.ty == wu.ty && wg.n_rows == wu.n_rows && wg.n_cols == wu.n_cols;
-        if !same || !self.exact_tail_ok(wg, x.len()) || !exact_ok(wu) {
-            return None;
-        }
-        if let Err(e) = gate.resize(self, n) {
-            return Some(Err(e));
-        }
-        let t = TailNorm {
-            x: gate.ptr(),
-            w: 0,
-            eps: 0.0,
-            h: 0,
-            n,
-            kinds,
-        };
-        if !tail_room(&t, s) {
-            return None;
-        }
-        Some(self.mmv_exact(&[wg, wu], x, 1, &mut [gate], true, s, Some(&t)))
-    }
-
-    /// The kernels' `NormTail` for `t` (after the product's own activations are in `s`).
-    fn tail_params(&self, t: &TailNorm, s: &mut Scratch) -> Result<NormTail> {
-        let n = t.n;
-        let (q8, q8k) = t.quantizations();
-        let counter = self
-            .tail_counter
-            .get()
-            .map(|c| c.ptr())
-            .ok_or_else(|| CudaError::Unsupported("no tail counter on this device".into()))?;
-        Ok(NormTail {
-            x: t.x,
-            w: t.w,
-            h: t.h,
-            aq: if q8 { s.aq.ptr() } else { 0 },
-            ads: if q8 { s.ads.ptr() } else { 0 },
-            eq: if q8k { s.eq.ptr() } else { 0 },
-            edq: if q8k { s.eds.ptr() } else { 0 },
-            counter,
-            eps: t.eps,
-            n: n as i32,
-        })
-    }
-
-    /// Records in `s` what a product's norm tail left there (as [`CudaDevice::add_rms_norm`]
-    /// for one token): `t.h`'s quantizations.
-    fn tail_claim(&self, t: &TailNorm, s: &mut Scratch) -> Result<()> {
-        let n = t.n;
-        let (q8, q8k) = t.quantizations();
-        // (no reallocation: the callers checked the capacities of what the tail writes)
-        if q8 {
-            s.aq.resize(self, n)?;
-            s.ads.resize(self, n / 32 * 2)?;
-        }
-        // (without a norm, x itself was quantized)
-        s.claim_acts((if t.w == 0 { t.x } else { t.h }, n, n), false);
-        if q8k {
-            s.eq.resize(self, n)?;
-            s.eds.resize(self, n / 256)?;
-            s.eacts_of = Some(0);
-        }
-        s.q8_ok = q8;
         Ok(())
     }
 
@@ -1348,7 +1178,7 @@ impl CudaDevice {
         if self.exact() {
             // SiLU with both matrices' exact products (GELU: the default steps)
             return (!gelu && wg.ty == wu.ty && exact_ok(wg) && exact_ok(wu))
-                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s, None));
+                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
