@@ -7,11 +7,14 @@ of a default run).
   scripts/ptxas-info.py [--nvrtc PATH/libnvrtc.so.13] [-D NAME[=VALUE]]... [FILTER]
 
 FILTER keeps kernels whose name starts with it (e.g. mmvd_q4_k). -D adds a define as
-RUSTORCH_CUDA_DEFS does (e.g. -D MMVD_Q4K_MINB=8)."""
+RUSTORCH_CUDA_DEFS does (e.g. -D MMVD_Q4K_MINB=8). Each line ends with the kernel's machine
+code size (its .text section in the cubin). --cubin FILE keeps the cubin, e.g. for
+`cuobjdump -sass FILE` (the nvidia-cuda-cuobjdump wheel has one)."""
 import argparse
 import ctypes
 import os
 import re
+import struct
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nvrtc", default=os.environ.get("RUSTORCH_NVRTC", "libnvrtc.so.13"))
     ap.add_argument("-D", action="append", default=[], dest="defs")
+    ap.add_argument("--cubin", help="also write the cubin there (for cuobjdump -sass)")
     ap.add_argument("filter", nargs="?", default="")
     a = ap.parse_args()
     lib = ctypes.CDLL(a.nvrtc)
@@ -47,6 +51,7 @@ def main():
     log = buf.value.decode(errors="replace")
     if rc:
         sys.exit(log)
+    sizes = text_sizes(lib, prog, a.cubin)
     cur, spill = None, ""
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)
@@ -59,7 +64,33 @@ def main():
             continue
         m = re.search(r"Used (\d+) registers(.*)", line)
         if m and cur and cur.startswith(a.filter):
-            print(f"{cur}: {m.group(1)} registers{m.group(2)}{spill}")
+            code = f", {sizes[cur]} B of code" if cur in sizes else ""
+            print(f"{cur}: {m.group(1)} registers{m.group(2)}{spill}{code}")
+
+
+def text_sizes(lib, prog, path=None):
+    """Bytes of each kernel's `.text.NAME` section in the program's cubin (64-bit ELF),
+    which is written to `path` if given."""
+    n = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)):
+        return {}
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, buf)
+    elf = buf.raw
+    if path:
+        with open(path, "wb") as fh:
+            fh.write(elf)
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    stroff = secs[shstrndx][4]
+    out = {}
+    for name_off, _, _, _, _, size in secs:
+        end = elf.index(b"\0", stroff + name_off)
+        name = elf[stroff + name_off:end].decode()
+        if name.startswith(".text."):
+            out[name[6:]] = size
+    return out
 
 
 if __name__ == "__main__":

@@ -26,9 +26,20 @@ __device__ __constant__ unsigned long long EXP2F_TAB[32] = {
     0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
 };
 
+// Where expf_glibc reads the table: EXP2F_TAB itself, or a copy (e.g. in shared memory,
+// where a warp's different entries do not serialize as in the constant cache).
+struct ConstTab {
+    __device__ __forceinline__ u64 operator[](u32 i) const { return EXP2F_TAB[i]; }
+};
+struct CopyTab {
+    const u64 *p;
+    __device__ __forceinline__ u64 operator[](u32 i) const { return p[i]; }
+};
+
 // glibc's expf: x·32/ln2 split into k and r in f64, 2^(k/32) from the table, a cubic in r,
 // one rounding to f32.
-__device__ __forceinline__ float expf_glibc(float x) {
+template <class Tab = ConstTab>
+__device__ __forceinline__ float expf_glibc(float x, Tab tab = Tab()) {
     const u32 abstop = (__float_as_uint(x) >> 20) & 0x7ff;
     if (abstop > 0x42a) {  // |x| >= 88, infinities, NaN
         if (__float_as_uint(x) == 0xff800000u) return 0.0f;
@@ -43,7 +54,7 @@ __device__ __forceinline__ float expf_glibc(float x) {
     const unsigned long long ki = (unsigned long long)__double_as_longlong(kd);
     kd = __dsub_rn(kd, shift);
     const double r = __fma_rn(inv, xd, -kd);
-    const unsigned long long t = EXP2F_TAB[ki & 31] + (ki << 47);
+    const unsigned long long t = tab[(u32)(ki & 31)] + (ki << 47);
     const double s = __longlong_as_double((long long)t);
     const double z = __fma_rn(r, __longlong_as_double(0x3ebc6af84b912394ll),
                               __longlong_as_double(0x3f2ebfce50fac4f3ll));
@@ -873,3 +884,17 @@ MMVD_LEGACY(q8_0, FQ8_0, false)
 #endif
 MMVD_COOP(q4_k, CoopQ4K, __launch_bounds__(128, MMVD_Q4K_MINB))
 MMVD_COOP(q6_k, CoopQ6K, __launch_bounds__(128))
+
+// Q4_K and Q6_K matrices of one input in one launch (llama-quantize's Q4_K_M gives some
+// layers' V a Q6_K matrix beside Q4_K Q and K: one launch instead of two). Every block's four
+// rows lie in one matrix (the host checks that each matrix but the last has a multiple of 4
+// rows), Q6_K where bit m of j.q6k is set; shared memory the larger policy's. (Not bounded
+// as mmvd_q4_k_c: Q6_K's path then spills; a Q/K/V launch's 640 blocks fit in one wave.)
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q4k6k_c(MmvJob j, const i8 *aq, const float *dq, int n_cols, int cap) {
+    PDL_ENTRY_INSIDE();
+    int m, wi;
+    mmvd_row_of(j, 0, m, wi, blockIdx.x);
+    if ((j.q6k >> m) & 1) mmvd_coop_kernel<CoopQ6K>(j, aq, dq, n_cols, cap);
+    else mmvd_coop_kernel<CoopQ4K>(j, aq, dq, n_cols, cap);
+}

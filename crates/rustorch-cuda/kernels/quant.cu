@@ -430,7 +430,7 @@ struct MmvJob {
     int rows[3];
     int n;
     int glu;
-    int pad;
+    int q6k;  // (mmvd_q4k6k_c: bit m set where matrix m is Q6_K, the others Q4_K)
 };
 
 // Matrix m's fields by selects, not by indexing: indexing the parameter with a run-time m

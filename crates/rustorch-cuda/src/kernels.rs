@@ -71,6 +71,9 @@ pub struct Arith {
     /// Exact mode: every norm quantizes its output both ways, as before the norms learnt
     /// which their products take (`RUSTORCH_CUDA_NORMQ=both`; for comparisons).
     pub norm_both: bool,
+    /// Exact mode: Q4_K and Q6_K matrices of one input share a launch (`RUSTORCH_CUDA_MIXQ=0`:
+    /// a launch per type, as before; for comparisons).
+    pub mixq: bool,
 }
 
 /// See [`Arith::pdl`].
@@ -110,6 +113,7 @@ pub fn arith() -> Arith {
                 })
                 .fold(0, |a, b| a | b),
             norm_both: var("RUSTORCH_CUDA_NORMQ") == "both",
+            mixq: var("RUSTORCH_CUDA_MIXQ") != "0",
         }
     })
 }
@@ -145,6 +149,7 @@ pub fn kernel_names() -> Vec<String> {
         "quantize_q8_k",
         "rope_table",
         "attn_exact",
+        "mmvd_q4k6k_c",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -315,7 +320,8 @@ struct MmvJob {
     rows: [i32; 3],
     n: i32,
     glu: i32,
-    pad: i32,
+    /// `mmvd_q4k6k_c`: bit m set where matrix m is Q6_K (the others Q4_K).
+    q6k: i32,
 }
 
 // SAFETY: plain old data laid out as the kernels' struct (no padding: 72 bytes).
@@ -737,10 +743,31 @@ impl CudaDevice {
         let mut i = 0;
         while i < ws.len() {
             let ty = ws[i].ty;
+            // Q4_K and Q6_K matrices share a launch (`mmvd_q4k6k_c`) where each but the last
+            // has whole blocks of four rows
+            let kq = |t: GgmlType| matches!(t, GgmlType::Q4_K | GgmlType::Q6_K);
+            let mix = !glu && n_tok < 4 && exact_direct() && arith().mixq && kq(ty);
             let mut k = i + 1;
-            while k < ws.len() && (glu || (k - i < 3 && ws[k].ty == ty)) {
+            while k < ws.len()
+                && (glu
+                    || (k - i < 3
+                        && (ws[k].ty == ty
+                            || (mix
+                                && kq(ws[k].ty)
+                                && exact_ok(ws[k])
+                                && ws[i..k].iter().all(|w| w.n_rows.is_multiple_of(4))))))
+            {
                 k += 1;
             }
+            let q6k = if ws[i..k].iter().any(|w| w.ty != ty) {
+                ws[i..k]
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| w.ty == GgmlType::Q6_K)
+                    .fold(0, |a, (m, _)| a | (1 << m))
+            } else {
+                0
+            };
             let (Some(kind), Some(st)) = (exact_kind(ty), stem(ty)) else {
                 return Err(CudaError::Unsupported(format!("exact product of {ty}")));
             };
@@ -780,6 +807,7 @@ impl CudaDevice {
             let mut job = MmvJob {
                 n: (k - i) as i32,
                 glu: i32::from(glu),
+                q6k,
                 ..MmvJob::default()
             };
             for (m, w) in ws[i..k].iter().enumerate() {
@@ -806,18 +834,26 @@ impl CudaDevice {
                 if kq || ng > exact_coop_min() {
                     // a block of four warps per four rows (mmvd_coop_kernel)
                     let cap = ng.next_multiple_of(8).min(MMVD_CAP);
-                    let (lanes, dl, gpb) = match ty {
-                        GgmlType::Q4_K => (2, 2, 8),
-                        GgmlType::Q6_K => (8, 1, 8),
-                        _ => (8, 1, 1),
+                    let smem_of = |ty: GgmlType| {
+                        let (lanes, dl, gpb) = match ty {
+                            GgmlType::Q4_K => (2, 2, 8),
+                            GgmlType::Q6_K => (8, 1, 8),
+                            _ => (8, 1, 1),
+                        };
+                        let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                        16 * lanes * (cap + 4)
+                            + 16 * dl * (cap / gpb + 4)
+                            + if min { 32 * cap } else { 0 }
                     };
-                    let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
-                    let smem = 16 * lanes * (cap + 4)
-                        + 16 * dl * (cap / gpb + 4)
-                        + if min { 32 * cap } else { 0 };
+                    let smem = ws[i..k].iter().map(|w| smem_of(w.ty)).max().unwrap_or(0);
                     let capi = cap as i32;
+                    let name = if q6k != 0 {
+                        "mmvd_q4k6k_c".to_string()
+                    } else {
+                        format!("mmvd_{st}_c")
+                    };
                     self.launch_smem(
-                        &format!("mmvd_{st}_c"),
+                        &name,
                         (blocks(rows, 4), n_tok as u32, 1),
                         128,
                         smem as u32,
