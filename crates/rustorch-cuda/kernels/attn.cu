@@ -402,16 +402,18 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 //      added in f64; times `scale`. (A half-warp per cell, the CPU's lanes in its lanes,
 //      took 3.4k cycles at 64 cells and 5.7k at 130; a thread per cell about 1.8k at either:
 //      docs/performance.md, session 21.)
-//   2. the running maximum before each cell (a block-wide scan of maxima; exact), hence each
-//      cell's rescale ms and weight vs exactly as the sequential walk finds them: a new
-//      maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1, vs = expf(s - m) (glibc's
-//      expf); masked cells ms = 1, vs = 0 (skipped).
+//   2. the running maximum before each cell (a block-wide scan of maxima, a thread per cell;
+//      exact), hence each cell's rescale ms and weight vs exactly as the sequential walk
+//      finds them: a new maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1,
+//      vs = expf(s - m) (glibc's expf); masked cells ms = 1, vs = 0 (skipped). A bit per
+//      cell marks ms != 1.
 //   3. the chains that must stay sequential: each dimension's f16 accumulator (one thread per
 //      dimension, cells in order, values from shared memory) and the running sum
 //      S = fma(S, ms, vs) (the last warp). A dimension's step is acc = f16(f16(acc * ms) +
-//      v * vs) with one fused multiply-add, the scaling on every cell: with ms = 1 it gives
-//      acc back to the bit (acc is an f16 value), so the CPU's "only on a new maximum" needs
-//      no branch (a branch measured slower, docs/performance.md session 14).
+//      v * vs) with one fused multiply-add; with ms = 1 the scaling gives acc back to the bit
+//      (acc is an f16 value), so eight cells none of which rescales take only
+//      acc = f16(v * vs + acc). (Measured: no faster than scaling on every cell,
+//      docs/performance.md session 22: the chains' cost per cell is not their arithmetic.)
 // The running maximum, sum and accumulators carry from chunk to chunk. Then out = acc *
 // (1 / S), quantized for the next product with `quant` (as quantize_q8_1, the CPU's rule).
 // Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope` (one row):
@@ -426,6 +428,7 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 #endif
 #define AE_CELLS 256
 #define AE_KV 8192
+static_assert(AE_CELLS <= AE_THREADS, "a thread scans one cell at most");
 
 // (AE_MINB: blocks a multiprocessor the compiler keeps registers for; 1 (128 registers) is
 // faster than 2 (96). Timing only, `RUSTORCH_CUDA_DEFS=AE_PHASES`: block (0, 0)'s thread 0
@@ -450,6 +453,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     __shared__ u32 slot[AE_CELLS];
     __shared__ u32 spos[AE_CELLS];
     __shared__ float wmax[AE_THREADS / 32];
+    __shared__ u32 rsc[AE_THREADS / 32];      // the cells whose chain step rescales, a bit each
     __shared__ float Ssh;
     __shared__ int cnew;                      // the new cell's index in the chunk, or -1
     __shared__ u16 knew[256], vnew[256];      // its key and value, from this block's rotation
@@ -656,11 +660,9 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
         else
 #endif
         AE_PH(4);
-        const int per = (n + AE_THREADS - 1) / AE_THREADS;
-        const int e0 = min(n, tid * per), e1 = min(n, e0 + per);
-        float lm = NEG_INF;
-        for (int c = e0; c < e1; c++) lm = fmaxf(lm, ssh[c]);
-        float incl = lm;
+        // (cell tid: a thread has one cell at most, AE_CELLS <= AE_THREADS)
+        const float sv = tid < n ? ssh[tid] : NEG_INF;
+        float incl = sv;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const float y = __shfl_up_sync(FULL_MASK, incl, o);
@@ -670,10 +672,13 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
         if (lane == 31) wmax[warp] = incl;
         __syncthreads();
         float run = M;
-        for (int w = 0; w < warp; w++) run = fmaxf(run, wmax[w]);
+#pragma unroll
+        for (int w = 0; w < AE_THREADS / 32; w++)
+            if (w < warp) run = fmaxf(run, wmax[w]);
         if (lane > 0) run = fmaxf(run, excl);
-        for (int c = e0; c < e1; c++) {
-            const float s = ssh[c];
+        bool rescale = false;
+        if (tid < n) {
+            const float s = sv;
             float ms = 1.0f, vs = 0.0f;
             if (s != NEG_INF) {
                 if (s > run) {
@@ -684,9 +689,13 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                     vs = expf_glibc(s - run, AE_TAB);
                 }
             }
-            mv[c] = make_float2(ms, vs);
+            mv[tid] = make_float2(ms, vs);
+            rescale = ms != 1.0f;
         }
-#pragma unroll 1
+        // the cells whose step rescales (ms != 1), a bit each
+        const u32 bits = __ballot_sync(FULL_MASK, rescale);
+        if (lane == 0) rsc[warp] = bits;
+#pragma unroll
         for (int w = 0; w < AE_THREADS / 32; w++) M = fmaxf(M, wmax[w]);
         __syncthreads();
 #ifdef AE_TWICE
@@ -700,14 +709,33 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
 #else
         if (fast) {
 #endif
+            // eight cells at a time, their values loaded first; where none of the eight
+            // rescales (ms = 1: acc * 1 is acc, acc holding an f16 value), only the
+            // fused multiply-add and its rounding
             const u16 *vc = vst + tid;
-#pragma unroll 8
-            for (int c = 0; c < n; c++) {
-                const float2 w = mv[c];
-                const float vf = h2f(vc[c * hd]);
-                if (w.y != 0.0f) {
-                    const float sc = h2f(f2h(__fmul_rn(acc, w.x)));
-                    acc = h2f(f2h(__fmaf_rn(vf, w.y, sc)));
+            for (int c0 = 0; c0 < n; c0 += 8) {
+                float2 w[8];
+                float vf[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    // (loads from inside the chunk, past its end a cell that is skipped)
+                    const int c = c0 + k, cc = min(c, n - 1);
+                    const float2 m = mv[cc];
+                    vf[k] = h2f(vc[cc * hd]);
+                    w[k] = make_float2(c < n ? m.x : 1.0f, c < n ? m.y : 0.0f);
+                }
+                if ((rsc[c0 >> 5] >> (c0 & 31)) & 0xffu) {
+#pragma unroll
+                    for (int k = 0; k < 8; k++) {
+                        if (w[k].y != 0.0f) {
+                            const float sc = h2f(f2h(__fmul_rn(acc, w[k].x)));
+                            acc = h2f(f2h(__fmaf_rn(vf[k], w[k].y, sc)));
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        if (w[k].y != 0.0f) acc = h2f(f2h(__fmaf_rn(vf[k], w[k].y, acc)));
                 }
             }
         } else if (tid < npn) {
