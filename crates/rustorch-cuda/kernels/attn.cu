@@ -429,6 +429,11 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 #define AE_CELLS 256
 #define AE_KV 8192
 static_assert(AE_CELLS <= AE_THREADS, "a thread scans one cell at most");
+static_assert(AE_THREADS >= 288 && AE_THREADS % 32 == 0,
+              "the dimensions' chains (up to 256) and the sum's warp after them");
+#if defined(AE_TWICE) && !defined(AE_PHASES)
+#error "AE_TWICE times phases: it needs AE_PHASES"
+#endif
 
 // (AE_MINB: blocks a multiprocessor the compiler keeps registers for; 1 (128 registers) is
 // faster than 2 (96). Timing only, `RUSTORCH_CUDA_DEFS=AE_PHASES`: block (0, 0)'s thread 0
@@ -713,18 +718,18 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
             // rescales (ms = 1: acc * 1 is acc, acc holding an f16 value), only the
             // fused multiply-add and its rounding
             const u16 *vc = vst + tid;
-            for (int c0 = 0; c0 < n; c0 += 8) {
+            for (int b0 = 0; b0 < n; b0 += 8) {
                 float2 w[8];
                 float vf[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++) {
                     // (loads from inside the chunk, past its end a cell that is skipped)
-                    const int c = c0 + k, cc = min(c, n - 1);
+                    const int c = b0 + k, cc = min(c, n - 1);
                     const float2 m = mv[cc];
                     vf[k] = h2f(vc[cc * hd]);
                     w[k] = make_float2(c < n ? m.x : 1.0f, c < n ? m.y : 0.0f);
                 }
-                if ((rsc[c0 >> 5] >> (c0 & 31)) & 0xffu) {
+                if ((rsc[b0 >> 5] >> (b0 & 31)) & 0xffu) {
 #pragma unroll
                     for (int k = 0; k < 8; k++) {
                         if (w[k].y != 0.0f) {

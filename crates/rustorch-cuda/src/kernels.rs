@@ -726,7 +726,8 @@ impl CudaDevice {
     /// quantizes it for each format (the legacy formats' Q8 blocks shared with the fused
     /// norm's), then `mmvd_*` for one to three tokens (four rows per group of eight-thread
     /// chains) or a warp per row and token (`mmve_*`), up to three matrices of one type per
-    /// launch. With `glu` (`ws` = gate and up, one output): `silu(gate) * up`.
+    /// launch (or of Q4_K and Q6_K together, `mmvd_q4k6k_c`). With `glu` (`ws` = gate and up,
+    /// one output): `silu(gate) * up`.
     fn mmv_exact(
         &self,
         ws: &[&CudaMatrix],
@@ -751,10 +752,9 @@ impl CudaDevice {
             while k < ws.len()
                 && (glu
                     || (k - i < 3
-                        && (ws[k].ty == ty
+                        && ((ws[k].ty == ty && ws[i..k].iter().all(|w| w.ty == ty))
                             || (mix
                                 && kq(ws[k].ty)
-                                && exact_ok(ws[k])
                                 && ws[i..k].iter().all(|w| w.n_rows.is_multiple_of(4))))))
             {
                 k += 1;
@@ -823,7 +823,6 @@ impl CudaDevice {
                 i = k;
                 continue;
             }
-            let kq = matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K);
             if n_tok < 4 && exact_direct() {
                 let rows: usize = if glu {
                     2 * ws[i].n_rows
@@ -831,7 +830,7 @@ impl CudaDevice {
                     ws[i..k].iter().map(|w| w.n_rows).sum()
                 };
                 let ng = n_cols / 32;
-                if kq || ng > exact_coop_min() {
+                if kq(ty) || ng > exact_coop_min() {
                     // a block of four warps per four rows (mmvd_coop_kernel)
                     let cap = ng.next_multiple_of(8).min(MMVD_CAP);
                     let smem_of = |ty: GgmlType| {
