@@ -732,10 +732,19 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                 if ((rsc[b0 >> 5] >> (b0 & 31)) & 0xffu) {
 #pragma unroll
                     for (int k = 0; k < 8; k++) {
+#ifdef AE_CHAIN_SEL
+                        // (prepared, not yet timed: every step computed, masked cells'
+                        // results dropped by a select, so the compiler emits no branch a
+                        // cell; docs/performance.md, session 22)
+                        const float sc = h2f(f2h(__fmul_rn(acc, w[k].x)));
+                        const float na = h2f(f2h(__fmaf_rn(vf[k], w[k].y, sc)));
+                        acc = w[k].y != 0.0f ? na : acc;
+#else
                         if (w[k].y != 0.0f) {
                             const float sc = h2f(f2h(__fmul_rn(acc, w[k].x)));
                             acc = h2f(f2h(__fmaf_rn(vf[k], w[k].y, sc)));
                         }
+#endif
                     }
                 } else {
 #pragma unroll
