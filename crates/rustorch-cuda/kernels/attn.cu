@@ -429,6 +429,14 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 #define AE_CELLS 256
 #define AE_KV 8192
 static_assert(AE_CELLS <= AE_THREADS, "a thread scans one cell at most");
+// Threads per cell's score: 1, or with AE_SCORES2 (prepared, not yet timed on a GPU;
+// docs/performance.md, session 22) 2, each one half of the CPU's 16 lanes, joined by a
+// shuffle (a cell's pair of threads is in one warp: AE_THREADS is a multiple of 32).
+#ifdef AE_SCORES2
+#define AE_SPLIT 2
+#else
+#define AE_SPLIT 1
+#endif
 static_assert(AE_THREADS >= 288 && AE_THREADS % 32 == 0,
               "the dimensions' chains (up to 256) and the sum's warp after them");
 #if defined(AE_TWICE) && !defined(AE_PHASES)
@@ -612,15 +620,18 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
         for (int ci = tid; ci < n; ci += AE_THREADS) ssh[ci] = -(float)ci;  // timing only
         if (0)
 #endif
-        for (int ci = tid; ci < n; ci += AE_THREADS) {
+        for (int it = tid; it < AE_SPLIT * n; it += AE_THREADS) {
+            const int ci = it / AE_SPLIT, g0 = it % AE_SPLIT;
             const u32 p = spos[ci];
             float s = NEG_INF;
             if (p <= max_pos && p >= min_pos) {
                 const u16 *kr = kst + (size_t)ci * ks;
-                // lanes 8g..8g+7 at a time (g = 0, 1): a[k][e] the running sums of lane 8g + e
+                // lanes 8g..8g+7 at a time (g = 0, 1, or this thread's g0 of the cell's pair):
+                // a[k][e] the running sums of lane 8g + e
                 float A[8], w8[8];
 #pragma unroll
-                for (int g = 0; g < 2; g++) {
+                for (int gg = 0; gg < 2 / AE_SPLIT; gg++) {
+                    const int g = g0 + gg;
                     float a[4][8];
 #pragma unroll
                     for (int k = 0; k < 4; k++)
@@ -644,7 +655,9 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                     for (int e = 0; e < 8; e++) {
                         const float l =
                             __fadd_rn(__fadd_rn(a[0][e], a[2][e]), __fadd_rn(a[1][e], a[3][e]));
-                        if (g == 0) A[e] = l;
+                        if (AE_SPLIT == 2)  // (the pair's other half; a + b is b + a)
+                            w8[e] = __fadd_rn(l, __shfl_xor_sync(3u << (lane & ~1), l, 1));
+                        else if (g == 0) A[e] = l;
                         else w8[e] = __fadd_rn(A[e], l);  // lane e + lane e + 8
                     }
                 }
@@ -656,7 +669,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                 s = __fmul_rn((float)sum, scale);
                 if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
             }
-            ssh[ci] = s;
+            if (g0 == 0) ssh[ci] = s;
         }
         __syncthreads();
         // 2. running maxima, ms and vs
