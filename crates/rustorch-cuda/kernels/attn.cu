@@ -439,9 +439,6 @@ static_assert(AE_CELLS <= AE_THREADS, "a thread scans one cell at most");
 #endif
 static_assert(AE_THREADS >= 288 && AE_THREADS % 32 == 0,
               "the dimensions' chains (up to 256) and the sum's warp after them");
-#if defined(AE_TWICE) && !defined(AE_PHASES)
-#error "AE_TWICE times phases: it needs AE_PHASES"
-#endif
 
 // (AE_MINB: blocks a multiprocessor the compiler keeps registers for; 1 (128 registers) is
 // faster than 2 (96). Timing only, `RUSTORCH_CUDA_DEFS=AE_PHASES`: block (0, 0)'s thread 0
@@ -483,9 +480,6 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     // loaded, wait passed + rotation, scores, scan, chains, output)
     long long ph[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #define AE_PH(i) (ph[i] = clock64())
-#ifdef AE_TWICE
-    long long tw[3] = {0, 0, 0};
-#endif
 #else
 #define AE_PH(i) ((void)0)
 #endif
@@ -604,17 +598,6 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
             vst[cnew * hd + tid] = vnew[tid];
         }
         __syncthreads();
-#ifdef AE_TWICE
-        // timing only (with AE_PHASES): the scores and the scan done twice, the second time
-        // timed on its own (code and data then warm)
-        const float M0 = M;
-        for (int rep = 0; rep < 2; rep++) {
-        M = M0;
-        if (rep == 1) {
-            __syncthreads();
-            tw[0] = clock64();
-        }
-#endif
         // 1. scores
 #ifdef AE_SKIP_SCORES
         for (int ci = tid; ci < n; ci += AE_THREADS) ssh[ci] = -(float)ci;  // timing only
@@ -673,10 +656,6 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
         }
         __syncthreads();
         // 2. running maxima, ms and vs
-#ifdef AE_TWICE
-        if (rep == 1) tw[1] = clock64();
-        else
-#endif
         AE_PH(4);
         // (cell tid: a thread has one cell at most, AE_CELLS <= AE_THREADS)
         const float sv = tid < n ? ssh[tid] : NEG_INF;
@@ -702,7 +681,6 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                 if (s > run) {
                     ms = expf_glibc(run - s, AE_TAB);
                     vs = 1.0f;
-                    run = s;
                 } else {
                     vs = expf_glibc(s - run, AE_TAB);
                 }
@@ -716,10 +694,6 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
 #pragma unroll
         for (int w = 0; w < AE_THREADS / 32; w++) M = fmaxf(M, wmax[w]);
         __syncthreads();
-#ifdef AE_TWICE
-        if (rep == 1) tw[2] = clock64();
-        }
-#endif
         // 3. the sequential chains
         AE_PH(5);
 #ifdef AE_SKIP_CHAIN
@@ -792,11 +766,6 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
 #ifdef AE_PHASES
     if (h == 0 && t == 0 && tid == 0) {
         AE_PH(7);
-#ifdef AE_TWICE
-        // (the first pass's scan then ends at the second pass's start)
-        printf("AETW %d %lld %lld %lld %lld\n", nc, ph[4] - ph[3], tw[0] - ph[4], tw[1] - tw[0],
-               tw[2] - tw[1]);
-#endif
         printf("AEPH %d %lld %lld %lld %lld %lld %lld %lld\n", nc, ph[1] - ph[0], ph[2] - ph[1],
                ph[3] - ph[2], ph[4] - ph[3], ph[5] - ph[4], ph[6] - ph[5], ph[7] - ph[6]);
     }
