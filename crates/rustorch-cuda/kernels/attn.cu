@@ -396,12 +396,15 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 // (head, row) block, in chunks of at most AE_KV / hd cells (AE_CELLS at most):
 //   0. the chunk's slots and positions, then its keys and values into shared memory, every
 //      load of the chunk in flight together (16 bytes a load where the rows allow).
-//   1. every visible cell's score, a thread per cell: the four running sums of elements
+//   1. every visible cell's score, four threads per cell: the four running sums of elements
 //      64b + 16k + l (k = 0..3) of each of the CPU's 16 lanes l, then (a0 + a2) + (a1 + a3)
 //      per lane, then the lane tree of _mm512_reduce_add_ps; leftovers past a multiple of 64
-//      added in f64; times `scale`. (A half-warp per cell, the CPU's lanes in its lanes,
-//      took 3.4k cycles at 64 cells and 5.7k at 130; a thread per cell about 1.8k at either:
-//      docs/performance.md, session 21.)
+//      added in f64; times `scale`. Thread j of a cell has lanes j, j + 4, j + 8, j + 12,
+//      so the tree's first two levels are its own and the last two are shuffles; the keys
+//      (and the query) are staged with each thread's values in one run (kperm). (A
+//      half-warp per cell, the CPU's lanes in its lanes, took 3.4k cycles at 64 cells and
+//      5.7k at 130; a thread per cell about 1.8k at either: docs/performance.md, session
+//      21; four threads: session 23.)
 //   2. the running maximum before each cell (a block-wide scan of maxima, a thread per cell;
 //      exact), hence each cell's rescale ms and weight vs exactly as the sequential walk
 //      finds them: a new maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1,
@@ -429,14 +432,6 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 #define AE_CELLS 256
 #define AE_KV 8192
 static_assert(AE_CELLS <= AE_THREADS, "a thread scans one cell at most");
-// Threads per cell's score: 1, or with AE_SCORES2 (prepared, not yet timed on a GPU;
-// docs/performance.md, session 22) 2, each one half of the CPU's 16 lanes, joined by a
-// shuffle (a cell's pair of threads is in one warp: AE_THREADS is a multiple of 32).
-#ifdef AE_SCORES2
-#define AE_SPLIT 2
-#else
-#define AE_SPLIT 1
-#endif
 static_assert(AE_THREADS >= 288 && AE_THREADS % 32 == 0,
               "the dimensions' chains (up to 256) and the sum's warp after them");
 
@@ -453,13 +448,14 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                u32 window, int native, i8 *__restrict__ aq, float2 *__restrict__ ads,
                int quant, int rope, AttnRope ar) {
     PDL_ENTRY_INSIDE();
-    __shared__ __align__(16) float qs[256];
+    __shared__ __align__(16) float qs[272];  // (qperm: four segments, 4 apart)
     // the chunk's keys, cell after cell, in rows of ks = hd + 8 values where hd is a multiple
     // of 8 (a thread's 16-byte loads of a row; consecutive cells in different banks)
     __shared__ __align__(16) u16 kst[AE_KV + 8 * AE_CELLS];
-    __shared__ __align__(16) u16 vst[AE_KV];  // and values
+    // and values, transposed (vat)
+    __shared__ __align__(16) u16 vst[AE_KV + 8 * 256];
     __shared__ float ssh[AE_CELLS];           // scores
-    __shared__ float2 mv[AE_CELLS];           // (ms, vs) per cell
+    __shared__ __align__(16) float2 mv[AE_CELLS];  // (ms, vs) per cell
     __shared__ u32 slot[AE_CELLS];
     __shared__ u32 spos[AE_CELLS];
     __shared__ float wmax[AE_THREADS / 32];
@@ -498,9 +494,25 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     const float *qh = q + ((size_t)t * n_head + h) * hd;
     const u32 jnew = rope ? ar.new_slot[0] : 0xffffffffu;
     const u16 *Kh = K + (size_t)kvh * hd, *Vh = V + (size_t)kvh * hd;
-    const int CH = min(AE_CELLS, AE_KV / hd);  // cells per chunk
+    // cells per chunk: a multiple of 64, or 32 (head sizes above 128); the chains take
+    // eight at a time
+    const int ch0 = min(AE_CELLS, AE_KV / hd);
+    const int CH = ch0 >= 64 ? ch0 & ~63 : 32;
+    // dimension d's values of the chunk in row d of vst, the groups of eight cells in an
+    // order of their own (group g at g ^ (d / 8 % 8)), so that the staging's stores of
+    // eight dimensions of a cell go to other banks; a row's 16-byte loads of eight cells
+    // (vs_ = CH + 8 apart) to other banks than the next rows'
+    const int vs_ = CH + 8, vm = min(CH, 64) / 8 - 1;
+    auto vat = [&](int d, int c) { return d * vs_ + (c ^ (8 * ((d >> 3) & vm))); };
     const bool vec = (hd % 8) == 0 && (kv_stride % 8) == 0;
     const int ks = (hd % 8) == 0 ? hd + 8 : hd;  // key row stride in kst
+    // A key row's first np values are stored in four segments of seg = np / 4: segment j
+    // holds the values 4i + j (the CPU's lanes j, j + 4, j + 8, j + 12 of every 16), so the
+    // cell's thread j reads its values in one run; the rest stay in place. The query the
+    // same way in qs, its segments seg + 4 apart (their 16-byte loads in other banks).
+    const int seg = np >> 2;
+    auto kperm = [&](int e) { return e < np ? (e & 3) * seg + (e >> 2) : e; };
+    auto qperm = [&](int e) { return e < np ? (e & 3) * (seg + 4) + (e >> 2) : 4 * (seg + 4) + e - np; };
     // 0. the chunk's slots and positions; then (after a barrier) its keys and values
     auto load_cells = [&](int c0, int n) {
         if (tid == 0) cnew = -1;
@@ -533,8 +545,24 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                     const int i = i0 + u * AE_THREADS;
                     if (i < tot) {
                         const int c = i / pc, e = i - c * pc;
-                        ((uint4 *)kst)[c * (ks >> 3) + e] = kr[u];
-                        ((uint4 *)vst)[i] = vr[u];
+                        if (8 * e < np) {
+                            // elements 8e + jj and 8e + jj + 4 to segment jj, places 2e, 2e + 1
+                            const u32 w[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w};
+                            u32 *kw = (u32 *)(kst + c * ks) + e;
+#pragma unroll
+                            for (int jj = 0; jj < 4; jj++) {
+                                const u32 lo = jj & 1 ? w[jj >> 1] >> 16 : w[jj >> 1] & 0xffffu;
+                                const u32 hi =
+                                    jj & 1 ? w[2 + (jj >> 1)] >> 16 : w[2 + (jj >> 1)] & 0xffffu;
+                                kw[jj * (seg >> 1)] = lo | (hi << 16);
+                            }
+                        } else {
+                            ((uint4 *)kst)[c * (ks >> 3) + e] = kr[u];
+                        }
+                        const u32 vw[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
+#pragma unroll
+                        for (int t = 0; t < 8; t++)
+                            vst[vat(8 * e + t, c)] = (u16)(vw[t >> 1] >> (16 * (t & 1)));
                     }
                 }
             }
@@ -542,8 +570,8 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
             for (int i = tid; i < n * hd; i += AE_THREADS) {
                 const int c = i / hd, e = i - c * hd;
                 const size_t off = (size_t)slot[c] * kv_stride + e;
-                kst[c * ks + e] = Kh[off];
-                vst[i] = Vh[off];
+                kst[c * ks + kperm(e)] = Kh[off];
+                vst[vat(e, c)] = Vh[off];
             }
         }
     };
@@ -551,11 +579,13 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     load_kv(min(CH, nc));
     AE_PH(1);
     if (rope) {
+        __syncthreads();  // (the first chunk staged: its new cell is overwritten below)
         PDL_ENTRY();
         AE_PH(2);
         const float *kh = ar.k + (size_t)kvh * hd, *vh = ar.v + (size_t)kvh * hd;
         const int half = ar.n_rot / 2;
         const bool store = h % (n_head / n_head_kv) == 0;
+        const int c_new = cnew;
         for (int i = tid; i < hd; i += AE_THREADS) {
             float qv = qh[i], kv = kh[i];
             if (i < ar.n_rot) {
@@ -566,17 +596,23 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                 qv = i == i0 ? __fmaf_rn(q0, c, -__fmul_rn(q1, sn)) : __fmaf_rn(q0, sn, __fmul_rn(q1, c));
                 kv = i == i0 ? __fmaf_rn(k0, c, -__fmul_rn(k1, sn)) : __fmaf_rn(k0, sn, __fmul_rn(k1, c));
             }
-            qs[i] = h2f(f2h(qv));
+            qs[qperm(i)] = h2f(f2h(qv));
             const u16 kb = f2h(kv), vb = f2h(vh[i]);
             knew[i] = kb;
             vnew[i] = vb;
+            // (the new cell from this block's rotation: the cache's copy is written by
+            // another block, and the first chunk was loaded before it)
+            if (c_new >= 0) {
+                kst[c_new * ks + kperm(i)] = kb;
+                vst[vat(i, c_new)] = vb;
+            }
             if (store) {
                 ar.K[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = kb;
                 ar.V[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = vb;
             }
         }
     } else {
-        for (int i = tid; i < hd; i += AE_THREADS) qs[i] = h2f(f2h(qh[i]));
+        for (int i = tid; i < hd; i += AE_THREADS) qs[qperm(i)] = h2f(f2h(qh[i]));
     }
     __syncthreads();
     AE_PH(3);
@@ -590,69 +626,63 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
             load_cells(c0, n);
             load_kv(n);
             __syncthreads();
+            if (cnew >= 0 && tid < hd) {  // (as in the rotation)
+                kst[cnew * ks + kperm(tid)] = knew[tid];
+                vst[vat(tid, cnew)] = vnew[tid];
+            }
+            __syncthreads();
         }
-        // (the new cell from this block's rotation: the cache's copy is written by another
-        // block, and the first chunk was loaded before it)
-        if (cnew >= 0 && tid < hd) {
-            kst[cnew * ks + tid] = knew[tid];
-            vst[cnew * hd + tid] = vnew[tid];
-        }
-        __syncthreads();
         // 1. scores
 #ifdef AE_SKIP_SCORES
         for (int ci = tid; ci < n; ci += AE_THREADS) ssh[ci] = -(float)ci;  // timing only
         if (0)
 #endif
-        for (int it = tid; it < AE_SPLIT * n; it += AE_THREADS) {
-            const int ci = it / AE_SPLIT, g0 = it % AE_SPLIT;
+        for (int it = tid; it < 4 * n; it += AE_THREADS) {
+            // four threads j = 0..3 per cell (a cell's four in one warp, all in the loop
+            // or none: AE_THREADS is a multiple of 32); thread j has the CPU's lanes
+            // 4m + j (m = 0..3): their running sums a[k][m] over elements 64b + 16k + 4m + j
+            const int ci = it >> 2, j = it & 3;
             const u32 p = spos[ci];
             float s = NEG_INF;
             if (p <= max_pos && p >= min_pos) {
                 const u16 *kr = kst + (size_t)ci * ks;
-                // lanes 8g..8g+7 at a time (g = 0, 1, or this thread's g0 of the cell's pair):
-                // a[k][e] the running sums of lane 8g + e
-                float A[8], w8[8];
+                const float *qj = qs + j * (seg + 4);
+                float a[4][4];
 #pragma unroll
-                for (int gg = 0; gg < 2 / AE_SPLIT; gg++) {
-                    const int g = g0 + gg;
-                    float a[4][8];
+                for (int k = 0; k < 4; k++)
 #pragma unroll
-                    for (int k = 0; k < 4; k++)
+                    for (int m = 0; m < 4; m++) a[k][m] = 0.0f;
+                for (int b = 0; b < nb; b++) {
+                    float kf[16];
+                    unpack8h(load8h(kr, j * seg + 16 * b, hd, ks != hd), *(float(*)[8])kf);
+                    unpack8h(load8h(kr, j * seg + 16 * b + 8, hd, ks != hd),
+                             *(float(*)[8])(kf + 8));
 #pragma unroll
-                        for (int e = 0; e < 8; e++) a[k][e] = 0.0f;
-                    for (int b = 0; b < nb; b++) {
+                    for (int k = 0; k < 4; k++) {
+                        const float4 q4 = *(const float4 *)(qj + 16 * b + 4 * k);
+                        const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-                        for (int k = 0; k < 4; k++) {
-                            const int i = 64 * b + 16 * k + 8 * g;
-                            float kf[8];  // (i + 8 <= np <= hd: no value zeroed)
-                            unpack8h(load8h(kr, i, hd, ks != hd), kf);
-                            const float4 q0 = *(const float4 *)(qs + i);
-                            const float4 q1 = *(const float4 *)(qs + i + 4);
-                            const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-#pragma unroll
-                            for (int e = 0; e < 8; e++)
-                                a[k][e] = __fadd_rn(a[k][e], __fmul_rn(qv[e], kf[e]));
-                        }
-                    }
-#pragma unroll
-                    for (int e = 0; e < 8; e++) {
-                        const float l =
-                            __fadd_rn(__fadd_rn(a[0][e], a[2][e]), __fadd_rn(a[1][e], a[3][e]));
-                        if (AE_SPLIT == 2)  // (the pair's other half; a + b is b + a)
-                            w8[e] = __fadd_rn(l, __shfl_xor_sync(3u << (lane & ~1), l, 1));
-                        else if (g == 0) A[e] = l;
-                        else w8[e] = __fadd_rn(A[e], l);  // lane e + lane e + 8
+                        for (int m = 0; m < 4; m++)
+                            a[k][m] = __fadd_rn(a[k][m], __fmul_rn(qv[m], kf[4 * k + m]));
                     }
                 }
-                float w4[4];
+                // lane 4m + j: (a0 + a2) + (a1 + a3); lanes j + (j + 8) and (j + 4) +
+                // (j + 12), their sum (the tree's l + 8, l + 4); then over the four
+                // threads (u0 + u2) + (u1 + u3) by two shuffles (x + y is y + x)
+                float L[4];
 #pragma unroll
-                for (int l = 0; l < 4; l++) w4[l] = __fadd_rn(w8[l], w8[l + 4]);
-                double sum = (double)__fadd_rn(__fadd_rn(w4[0], w4[2]), __fadd_rn(w4[1], w4[3]));
-                for (int i = np; i < hd; i++) sum += (double)__fmul_rn(qs[i], h2f(kr[i]));
+                for (int m = 0; m < 4; m++)
+                    L[m] = __fadd_rn(__fadd_rn(a[0][m], a[2][m]), __fadd_rn(a[1][m], a[3][m]));
+                const float w4 = __fadd_rn(__fadd_rn(L[0], L[2]), __fadd_rn(L[1], L[3]));
+                const u32 gm = 0xfu << (lane & ~3);
+                const float u2 = __fadd_rn(w4, __shfl_xor_sync(gm, w4, 2));
+                double sum = (double)__fadd_rn(u2, __shfl_xor_sync(gm, u2, 1));
+                for (int i = np; i < hd; i++)
+                    sum += (double)__fmul_rn(qs[qperm(i)], h2f(kr[i]));
                 s = __fmul_rn((float)sum, scale);
                 if (softcap != 0.0f) s = __fmul_rn(softcap, tanhf(s));
             }
-            if (g0 == 0) ssh[ci] = s;
+            if (j == 0) ssh[ci] = s;
         }
         __syncthreads();
         // 2. running maxima, ms and vs
@@ -673,7 +703,9 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
         for (int w = 0; w < AE_THREADS / 32; w++)
             if (w < warp) run = fmaxf(run, wmax[w]);
         if (lane > 0) run = fmaxf(run, excl);
-        bool rescale = false;
+        // odd: the cell's step rescales (ms != 1) or is skipped (vs = 0; so are the cells
+        // from n to the next multiple of 8, given (1, 0) for the chains' eight at a time)
+        bool odd = true;
         if (tid < n) {
             const float s = sv;
             float ms = 1.0f, vs = 0.0f;
@@ -686,10 +718,12 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
                 }
             }
             mv[tid] = make_float2(ms, vs);
-            rescale = ms != 1.0f;
+            odd = ms != 1.0f || vs == 0.0f;
+        } else if (tid < ((n + 7) & ~7)) {
+            mv[tid] = make_float2(1.0f, 0.0f);
         }
-        // the cells whose step rescales (ms != 1), a bit each
-        const u32 bits = __ballot_sync(FULL_MASK, rescale);
+        // the odd cells, a bit each
+        const u32 bits = __ballot_sync(FULL_MASK, odd);
         if (lane == 0) rsc[warp] = bits;
 #pragma unroll
         for (int w = 0; w < AE_THREADS / 32; w++) M = fmaxf(M, wmax[w]);
@@ -701,50 +735,59 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
 #else
         if (fast) {
 #endif
-            // eight cells at a time, their values loaded first; where none of the eight
-            // rescales (ms = 1: acc * 1 is acc, acc holding an f16 value), only the
-            // fused multiply-add and its rounding
-            const u16 *vc = vst + tid;
-            for (int b0 = 0; b0 < n; b0 += 8) {
-                float2 w[8];
-                float vf[8];
+            // eight cells at a time (one 16-byte load of this dimension's values, four of
+            // the cells' (ms, vs)), the next eight's loads issued before this eight's steps;
+            // where none of the eight is odd, only the fused multiply-add and its rounding
+            // (ms = 1: acc * 1 is acc, acc holding an f16 value). (The loop is bound by the
+            // instructions a warp issues, about 2.6 cycles each with one warp a scheduler:
+            // docs/performance.md, session 23.)
+            const uint4 *vrow = (const uint4 *)(vst + tid * vs_);
+            const int vsw = (tid >> 3) & vm;  // (vat: group g at g ^ vsw)
+            const float4 *mv4 = (const float4 *)mv;
+            auto ld8 = [&](int b0, uint4 &v8, float4 (&m4)[4], bool &o) {
+                const int bb = min(b0, ((n + 7) & ~7) - 8);  // (past the end: unused)
+                v8 = vrow[(bb >> 3) ^ vsw];
 #pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    // (loads from inside the chunk, past its end a cell that is skipped)
-                    const int c = b0 + k, cc = min(c, n - 1);
-                    const float2 m = mv[cc];
-                    vf[k] = h2f(vc[cc * hd]);
-                    w[k] = make_float2(c < n ? m.x : 1.0f, c < n ? m.y : 0.0f);
-                }
-                if ((rsc[b0 >> 5] >> (b0 & 31)) & 0xffu) {
+                for (int k = 0; k < 4; k++) m4[k] = mv4[(bb >> 1) + k];
+                o = ((rsc[bb >> 5] >> (bb & 31)) & 0xffu) != 0;
+            };
+            auto steps = [&](const uint4 &v8, const float4 (&m4)[4], bool o) {
+                float vf[8];
+                unpack8h(v8, vf);
+                const float2 w[8] = {{m4[0].x, m4[0].y}, {m4[0].z, m4[0].w}, {m4[1].x, m4[1].y},
+                                     {m4[1].z, m4[1].w}, {m4[2].x, m4[2].y}, {m4[2].z, m4[2].w},
+                                     {m4[3].x, m4[3].y}, {m4[3].z, m4[3].w}};
+                if (o) {
 #pragma unroll
                     for (int k = 0; k < 8; k++) {
-#ifdef AE_CHAIN_SEL
-                        // (prepared, not yet timed: every step computed, masked cells'
-                        // results dropped by a select, so the compiler emits no branch a
-                        // cell; docs/performance.md, session 22)
-                        const float sc = h2f(f2h(__fmul_rn(acc, w[k].x)));
-                        const float na = h2f(f2h(__fmaf_rn(vf[k], w[k].y, sc)));
-                        acc = w[k].y != 0.0f ? na : acc;
-#else
                         if (w[k].y != 0.0f) {
                             const float sc = h2f(f2h(__fmul_rn(acc, w[k].x)));
                             acc = h2f(f2h(__fmaf_rn(vf[k], w[k].y, sc)));
                         }
-#endif
                     }
                 } else {
 #pragma unroll
-                    for (int k = 0; k < 8; k++)
-                        if (w[k].y != 0.0f) acc = h2f(f2h(__fmaf_rn(vf[k], w[k].y, acc)));
+                    for (int k = 0; k < 8; k++) acc = h2f(f2h(__fmaf_rn(vf[k], w[k].y, acc)));
                 }
+            };
+            // (two buffers taking turns, so that no registers are copied)
+            uint4 va, vb;
+            float4 ma[4], mb[4];
+            bool oa, ob;
+            ld8(0, va, ma, oa);
+            for (int b0 = 0; b0 < n; b0 += 16) {
+                ld8(b0 + 8, vb, mb, ob);
+                steps(va, ma, oa);
+                if (b0 + 8 >= n) break;
+                ld8(b0 + 16, va, ma, oa);
+                steps(vb, mb, ob);
             }
         } else if (tid < npn) {
             // (AVX512-FP16 hosts: rounded once from the exact value, the weights in f16)
             for (int c = 0; c < n; c++) {
                 const float2 w = mv[c];
                 if (w.y == 0.0f) continue;
-                const float vf = h2f(vst[c * hd + tid]);
+                const float vf = h2f(vst[vat(tid, c)]);
                 if (w.x != 1.0f) acc = h2f(f64_to_f16((double)acc * (double)h2f(f2h(w.x))));
                 acc = h2f(f64_to_f16(fma((double)vf, (double)h2f(f2h(w.y)), (double)acc)));
             }
