@@ -13,6 +13,14 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
                                     i8 *__restrict__ aq, float2 *__restrict__ ads, int quant,
                                     int cpu, i8 *__restrict__ eq, float *__restrict__ edq,
                                     int n_4x8) {
+    // the first RMS_REG weights of each thread (see below) are loaded before the wait:
+    // no kernel writes them, and they are often no longer in L2
+    float wv[RMS_REG];
+#pragma unroll
+    for (int k = 0; k < RMS_REG; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        wv[k] = i < n ? w[i] : 0.0f;
+    }
     PDL_ENTRY();
 #if defined(RT_NORM_EMPTY)
     return;  // timing only: the stage without its work
@@ -26,15 +34,13 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
     // the first RMS_REG values of each thread (all of them up to RMS_REG * blockDim) stay in
     // registers with their weights, all loaded before any is used, so neither pass waits on
     // memory more than once
-    float xv[RMS_REG], wv[RMS_REG];
+    float xv[RMS_REG];
 #pragma unroll
     for (int k = 0; k < RMS_REG; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         xv[k] = 0.0f;
-        wv[k] = 0.0f;
         if (i < n) {
             xv[k] = x[base + i];
-            wv[k] = w[i];
             if (y != 0) xv[k] = xv[k] + y[base + i];
         }
     }
