@@ -168,8 +168,8 @@ __device__ __forceinline__ void pdl_prefetch(const void *p, size_t bytes, int la
 __device__ __forceinline__ void pdl_prefetch(const void *, size_t, int, int) {}
 #endif
 // Marks a kernel whose body calls PDL_ENTRY itself, later (attn_split: with the rotation
-// inside, its first cells are loaded before the wait; they, like PDL_ENTRY_AFTER's `pre`,
-// are only what no kernel of the step writes). Does nothing.
+// inside, its first cells are loaded before the wait; rms_norm: its weights; they, like
+// PDL_ENTRY_AFTER's `pre`, are only what no kernel of the step writes). Does nothing.
 #define PDL_ENTRY_INSIDE() \
     do {                   \
     } while (0)

@@ -13,6 +13,7 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
                                     i8 *__restrict__ aq, float2 *__restrict__ ads, int quant,
                                     int cpu, i8 *__restrict__ eq, float *__restrict__ edq,
                                     int n_4x8) {
+    PDL_ENTRY_INSIDE();
     // the first RMS_REG weights of each thread (see below) are loaded before the wait:
     // no kernel writes them, and they are often no longer in L2
     float wv[RMS_REG];
