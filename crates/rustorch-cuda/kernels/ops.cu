@@ -71,11 +71,21 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
         s = lane < (int)(blockDim.x >> 5) ? sm[lane] : 0.0;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+#ifdef RT_NORM_ONCE
+        // (prepared, not yet timed on a GPU: the scale's f64 division, square root and f32
+        // division by one thread instead of every warp; docs/performance.md, session 23)
+        if (lane == 0) ((float *)sm)[0] = 1.0f / sqrtf((float)(s / (double)n) + eps);
+#else
         if (lane == 0) sm[0] = s;
+#endif
     }
     __syncthreads();
+#ifdef RT_NORM_ONCE
+    const float scale = ((const float *)sm)[0];
+#else
     const float mean = (float)(sm[0] / (double)n);
     const float scale = 1.0f / sqrtf(mean + eps);
+#endif
     const int ng = n >> 5;
     // (i < n is the same for a whole warp: n and blockDim are multiples of 32 when quant)
 #pragma unroll
