@@ -409,14 +409,15 @@ __device__ __forceinline__ u16 f64_to_f16(double x) {
 //      exact), hence each cell's rescale ms and weight vs exactly as the sequential walk
 //      finds them: a new maximum gives ms = expf(m - s), vs = 1, otherwise ms = 1,
 //      vs = expf(s - m) (glibc's expf); masked cells ms = 1, vs = 0 (skipped). A bit per
-//      cell marks ms != 1.
+//      cell marks the odd ones: ms != 1 or vs = 0.
 //   3. the chains that must stay sequential: each dimension's f16 accumulator (one thread per
 //      dimension, cells in order, values from shared memory) and the running sum
 //      S = fma(S, ms, vs) (the last warp). A dimension's step is acc = f16(f16(acc * ms) +
 //      v * vs) with one fused multiply-add; with ms = 1 the scaling gives acc back to the bit
-//      (acc is an f16 value), so eight cells none of which rescales take only
-//      acc = f16(v * vs + acc). (Measured: no faster than scaling on every cell,
-//      docs/performance.md session 22: the chains' cost per cell is not their arithmetic.)
+//      (acc is an f16 value), so eight cells none of which is odd take only
+//      acc = f16(v * vs + acc). The loop is bound by the instructions it issues, so each
+//      dimension's values are staged transposed (vat) and read eight cells a load
+//      (docs/performance.md, session 23).
 // The running maximum, sum and accumulators carry from chunk to chunk. Then out = acc *
 // (1 / S), quantized for the next product with `quant` (as quantize_q8_1, the CPU's rule).
 // Grid (n_head, n_rows), AE_THREADS threads, head size <= 256. With `rope` (one row):
@@ -452,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     // the chunk's keys, cell after cell, in rows of ks = hd + 8 values where hd is a multiple
     // of 8 (a thread's 16-byte loads of a row; consecutive cells in different banks)
     __shared__ __align__(16) u16 kst[AE_KV + 8 * AE_CELLS];
-    // and values, transposed (vat)
+    // and values, transposed (vat: rows of CH + 8 for head sizes up to 256)
     __shared__ __align__(16) u16 vst[AE_KV + 8 * 256];
     __shared__ float ssh[AE_CELLS];           // scores
     __shared__ __align__(16) float2 mv[AE_CELLS];  // (ms, vs) per cell
@@ -513,6 +514,12 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
     const int seg = np >> 2;
     auto kperm = [&](int e) { return e < np ? (e & 3) * seg + (e >> 2) : e; };
     auto qperm = [&](int e) { return e < np ? (e & 3) * (seg + 4) + (e >> 2) : 4 * (seg + 4) + e - np; };
+    // The new cell (chunk index c) from this block's rotation, its value i: the cache's
+    // copy is written by another block, and the first chunk was loaded before it.
+    auto put_new = [&](int c, int i, u16 kb, u16 vb) {
+        kst[c * ks + kperm(i)] = kb;
+        vst[vat(i, c)] = vb;
+    };
     // 0. the chunk's slots and positions; then (after a barrier) its keys and values
     auto load_cells = [&](int c0, int n) {
         if (tid == 0) cnew = -1;
@@ -600,12 +607,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
             const u16 kb = f2h(kv), vb = f2h(vh[i]);
             knew[i] = kb;
             vnew[i] = vb;
-            // (the new cell from this block's rotation: the cache's copy is written by
-            // another block, and the first chunk was loaded before it)
-            if (c_new >= 0) {
-                kst[c_new * ks + kperm(i)] = kb;
-                vst[vat(i, c_new)] = vb;
-            }
+            if (c_new >= 0) put_new(c_new, i, kb, vb);
             if (store) {
                 ar.K[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = kb;
                 ar.V[(size_t)jnew * kv_stride + (size_t)kvh * hd + i] = vb;
@@ -626,10 +628,7 @@ extern "C" __global__ void __launch_bounds__(AE_THREADS, AE_MINB)
             load_cells(c0, n);
             load_kv(n);
             __syncthreads();
-            if (cnew >= 0 && tid < hd) {  // (as in the rotation)
-                kst[cnew * ks + kperm(tid)] = knew[tid];
-                vst[vat(tid, cnew)] = vnew[tid];
-            }
+            if (cnew >= 0 && tid < hd) put_new(cnew, tid, knew[tid], vnew[tid]);
             __syncthreads();
         }
         // 1. scores
