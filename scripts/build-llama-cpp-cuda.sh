@@ -5,8 +5,11 @@
 # a tarball of it (`scripts/build-llama-cpp-cuda.sh --pack OUT.tar.xz` makes one here,
 # about 4 MB, without the other backends, models and docs).
 #
-#   scripts/build-llama-cpp-cuda.sh SRC_DIR_OR_TARBALL BUILD_DIR
+#   scripts/build-llama-cpp-cuda.sh SRC_DIR_OR_TARBALL BUILD_DIR [CMAKE_ARG...]
 #   scripts/build-llama-cpp-cuda.sh --pack OUT.tar.xz
+#
+# Extra arguments go to cmake: `-DBUILD_SHARED_LIBS=OFF` gives one self-contained
+# `llama-bench` that can be stripped, packed and carried back to the GPU host later.
 #
 # AMX is disabled as in build-llama-cpp.sh (llama.cpp's AMX matmul crashed on an SPR VM);
 # the CPU side is otherwise -march=native, so `CUDA_VISIBLE_DEVICES= llama-perplexity`
@@ -37,6 +40,6 @@ flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_APP=OFF "-DCMAKE_C_FLAGS=$flags" "-DCMAKE_CXX_FLAGS=$flags" >/dev/null
+  -DLLAMA_BUILD_APP=OFF "-DCMAKE_C_FLAGS=$flags" "-DCMAKE_CXX_FLAGS=$flags" "${@:3}" >/dev/null
 cmake --build "$build" -j"$(nproc)" --target llama-bench llama-perplexity
 echo "llama.cpp CUDA built in $build/bin"
