@@ -885,6 +885,104 @@ MMVD_LEGACY(q8_0, FQ8_0, false)
 MMVD_COOP(q4_k, CoopQ4K, __launch_bounds__(128, MMVD_Q4K_MINB))
 MMVD_COOP(q6_k, CoopQ6K, __launch_bounds__(128))
 
+// Q4_K and Q6_K rows of up to RUSTORCH_CUDA_COOP_MIN groups (`mmvd_*_w`): four rows per warp,
+// as the legacy formats' `mmvd_*` (a cooperative block per four rows made a gate/up product
+// of 2816 blocks, about three waves). Each pass of 32 groups every lane stages group
+// g0 + lane of all four rows with the cooperative policy P; then thread (r, l), l < LANES,
+// walks row r's chain l over the pass's super-blocks, the cooperative kernel's steps in the
+// same order (so the same bits). Their rows are prefetched into L2 before the wait, unlike
+// the cooperative K-quant kernels' (H200, tg128 --gpu-exact Q4_K_M, two rounds: 1088.04,
+// 1093.47 t/s without it, 1218.60, 1226.34 with it, 1213.27, 1218.64 cooperative;
+// `RUSTORCH_CUDA_DEFS=MMVD_W_PF=0` for the variant without).
+#ifndef MMVD_W_PF
+#define MMVD_W_PF 1
+#endif
+template <class P>
+struct __align__(16) WarpKSmem {
+    int si[4][P::LANES][32 + 4];
+    float dd[4][P::DL][32 / P::GPB + 4];
+};
+
+template <class P>
+__device__ __forceinline__ void mmvd_warp_kernel(const MmvJob &j, const i8 *__restrict__ aq,
+                                                 const float *__restrict__ scales, int n_cols,
+                                                 WarpKSmem<P> &st) {
+    constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
+    static_assert(GPB == 8, "super-block policies only");
+    const int ng = n_cols >> 5;
+    const u8 *wp[4];
+    mmvd_rows(j, P::row_bytes(n_cols), wp, MMVD_W_PF);
+    PDL_ENTRY();
+    const size_t t = blockIdx.y;
+    const i8 *a = aq + t * n_cols;
+    const float *sc = scales + t * (ng >> 3);
+    const int lane = threadIdx.x & 31, r = lane >> 3, l = lane & 7;
+    float acc = 0.0f;
+    for (int g0 = 0; g0 < ng; g0 += 32) {
+        const int gi = g0 + lane;
+        if (gi < ng) {
+#pragma unroll
+            for (int rr = 0; rr < 4; rr++) {
+                int v[8];
+                float d[2];
+                float2 mv;
+                P::stage(wp[rr], gi, a, sc, v, d, mv);
+#pragma unroll
+                for (int q = 0; q < L; q++) st.si[rr][q][lane] = v[q];
+                if ((lane & (GPB - 1)) == 0) {
+#pragma unroll
+                    for (int c = 0; c < DL; c++) st.dd[rr][c][lane / GPB] = d[c];
+                }
+            }
+        }
+        __syncwarp();
+        if (l < L) {
+            const int *sp = st.si[r][l];
+            const float *dp = st.dd[r][DL == 2 ? l : 0];
+            const int n = min(32, ng - g0) / GPB;
+            for (int s = 0; s < n; s++) {
+                const int4 s0 = *(const int4 *)(sp + GPB * s);
+                const int4 s1 = *(const int4 *)(sp + GPB * s + 4);
+                const int v = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
+                acc = __fmaf_rn(dp[s], __int2float_rn(v), acc);
+            }
+        }
+        __syncwarp();
+    }
+    const float v =
+        DL == 2 ? __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1)) : hsum8_lanes(acc);
+    int m, wi;
+    const bool has = mmvd_row_of(j, r, m, wi);
+    mmvd_store(j, m, wi, has, v);
+}
+
+#define MMVD_WARPK(NAME, P)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        mmvd_##NAME##_w(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {           \
+        PDL_ENTRY_INSIDE();                                                                   \
+        __shared__ WarpKSmem<P> smem[4];                                                      \
+        mmvd_warp_kernel<P>(j, aq, dq, n_cols, smem[threadIdx.x >> 5]);                       \
+    }
+MMVD_WARPK(q4_k, CoopQ4K)
+MMVD_WARPK(q6_k, CoopQ6K)
+
+// Q4_K and Q6_K matrices of one launch (as mmvd_q4k6k_c below), four rows per warp.
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q4k6k_w(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {
+    PDL_ENTRY_INSIDE();
+    constexpr size_t SZ = sizeof(WarpKSmem<CoopQ6K>) > sizeof(WarpKSmem<CoopQ4K>)
+                              ? sizeof(WarpKSmem<CoopQ6K>)
+                              : sizeof(WarpKSmem<CoopQ4K>);
+    __shared__ int4 raw[4 * SZ / 16];
+    char *mine = (char *)raw + (threadIdx.x >> 5) * SZ;
+    int m, wi;
+    mmvd_row_of(j, 0, m, wi);
+    if ((j.q6k >> m) & 1)
+        mmvd_warp_kernel<CoopQ6K>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ6K> *)mine);
+    else
+        mmvd_warp_kernel<CoopQ4K>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ4K> *)mine);
+}
+
 // Q4_K and Q6_K matrices of one input in one launch (llama-quantize's Q4_K_M gives some
 // layers' V a Q6_K matrix beside Q4_K Q and K: one launch instead of two). Every block's four
 // rows lie in one matrix (the host checks that each matrix but the last has a multiple of 4

@@ -150,6 +150,7 @@ pub fn kernel_names() -> Vec<String> {
         "rope_table",
         "attn_exact",
         "mmvd_q4k6k_c",
+        "mmvd_q4k6k_w",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -188,7 +189,9 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("mmve_{s}"));
             v.push(format!("mmve_{s}_l"));
             v.push(format!("mmvd_{s}_c"));
-            if !matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+            if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+                v.push(format!("mmvd_{s}_w"));
+            } else {
                 v.push(format!("mmvd_{s}"));
             }
         }
@@ -522,6 +525,14 @@ fn exact_coop_min() -> usize {
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_COOP_MIN", |_| true, 64))
 }
 
+/// Q4_K and Q6_K rows of at most [`exact_coop_min`] groups of 32 take four rows per warp
+/// (`mmvd_*_w`), unless `RUSTORCH_CUDA_KWARP=0` (a block of four warps per four rows, the
+/// cooperative `mmvd_*_c`, as longer rows do).
+fn exact_kwarp() -> bool {
+    static D: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_KWARP").map_or(true, |v| v != "0"))
+}
+
 /// Exact products of one to three tokens by the `mmvd_*` kernels (every lane of the
 /// chain-walking warps busy: kernels/exact.cu), unless `RUSTORCH_CUDA_DIRECT=0` (the
 /// prompts' `mmve_*`, a warp per row).
@@ -830,7 +841,20 @@ impl CudaDevice {
                     ws[i..k].iter().map(|w| w.n_rows).sum()
                 };
                 let ng = n_cols / 32;
-                if kq(ty) || ng > exact_coop_min() {
+                if kq(ty) && ng <= exact_coop_min() && exact_kwarp() {
+                    // four rows per warp (mmvd_warp_kernel)
+                    let name = if q6k != 0 {
+                        "mmvd_q4k6k_w".to_string()
+                    } else {
+                        format!("mmvd_{st}_w")
+                    };
+                    self.launch(
+                        &name,
+                        (blocks(rows, 16), n_tok as u32, 1),
+                        128,
+                        &[&job, &aq, &ads, &nc, &mode],
+                    )?;
+                } else if kq(ty) || ng > exact_coop_min() {
                     // a block of four warps per four rows (mmvd_coop_kernel)
                     let cap = ng.next_multiple_of(8).min(MMVD_CAP);
                     let smem_of = |ty: GgmlType| {
