@@ -664,6 +664,102 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
     return MIN ? __fadd_rn(sum, summs) : sum;
 }
 
+// Legacy formats, two rows per warp (`mmvd_*_r2`, RUSTORCH_CUDA_MMVD_R2): as mmvd_legacy with
+// passes of 64 blocks, each lane decoding blocks b0 + lane and b0 + lane + 32 of both rows
+// (all four loads issued before any is used), so a row of up to 64 groups takes one pass
+// and one wait on memory instead of two; threads 0..15 walk the chains (row lane / 8).
+template <bool MIN>
+struct __align__(16) R2Smem {
+    int si[2][8][64 + 4];
+    float d[2][64 + 4];
+    float2 m[MIN ? 2 : 1][MIN ? 64 : 1];
+};
+
+template <class F, bool MIN>
+__device__ __forceinline__ float mmvd_legacy2(const u8 *const (&wp)[2], const i8 *__restrict__ a,
+                                              const float2 *__restrict__ ad, int nb,
+                                              R2Smem<MIN> &st) {
+    const int lane = threadIdx.x & 31, r = (lane >> 3) & 1, l = lane & 7;
+    float acc = 0.0f, summs = 0.0f;
+    for (int b0 = 0; b0 < nb; b0 += 64) {
+        int av[2][8];
+        float2 ds[2];
+        Group g[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int b = min(b0 + lane + 32 * h, nb - 1);
+            group_acts(a, b, av[h]);
+            ds[h] = ad[b];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g[h][rr]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int j = lane + 32 * h;
+            if (b0 + j < nb) {
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    int v[8];
+                    legacy_lane_sums(g[h][rr], av[h], v);
+#pragma unroll
+                    for (int q = 0; q < 8; q++) st.si[rr][q][j] = v[q];
+                    st.d[rr][j] = __fmul_rn(g[h][rr].d0, ds[h].x);
+                    if (MIN) st.m[rr][j] = make_float2(g[h][rr].m0, ds[h].y);
+                }
+            }
+        }
+        __syncwarp();
+        if (lane < 16) {
+            const int n = min(64, nb - b0);
+            chain_walk<MIN>(st.si[r][l], st.d[r], st.m[MIN ? r : 0], n, l == 0, acc, summs);
+        }
+        __syncwarp();
+    }
+    const float sum = hsum8_lanes(acc);
+    return MIN ? __fadd_rn(sum, summs) : sum;
+}
+
+template <class F, bool MIN>
+__device__ __forceinline__ void mmvd_legacy2_kernel(const MmvJob &j, const i8 *aq,
+                                                    const float2 *ads, int n_cols) {
+    __shared__ R2Smem<MIN> smem[4];
+    const int nb = n_cols >> 5, lane = threadIdx.x & 31;
+    const size_t rb = (size_t)nb * F::BYTES;
+    const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const u8 *wp[2];
+    int mr[2], wir[2];
+    bool hasr[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        // glu: the gate and up rows of output gw; else rows 2 gw and 2 gw + 1
+        if (j.glu) {
+            mr[rr] = rr;
+            wir[rr] = gw;
+            hasr[rr] = gw < j.rows[0];
+        } else {
+            wir[rr] = 2 * gw + rr;
+            hasr[rr] = job_row(j, mr[rr], wir[rr]);
+        }
+        wp[rr] = hasr[rr] ? job_w(j, mr[rr]) + (size_t)wir[rr] * rb : j.w[0];
+#ifdef RT_PDL_PREFETCH
+        if (hasr[rr]) pdl_prefetch(wp[rr], rb, lane, 32);
+#endif
+    }
+    PDL_ENTRY();
+    const size_t t = blockIdx.y;
+    const float v = mmvd_legacy2<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb,
+                                         smem[threadIdx.x >> 5]);
+    if (j.glu) {
+        const float u = __shfl_down_sync(FULL_MASK, v, 8);
+        if (lane == 0 && hasr[0]) j.out[0][t * j.rows[0] + gw] = swiglu_cpu(v, u, gw, j.rows[0]);
+        return;
+    }
+    // (lane 8 row 1's, lane 0 row 0's; selected, not indexed, to keep the arrays in registers)
+    const bool one = lane == 8;
+    const int m = one ? mr[1] : mr[0], wi = one ? wir[1] : wir[0];
+    if ((lane == 0 || one) && (one ? hasr[1] : hasr[0])) job_out(j, m)[t * job_rows(j, m) + wi] = v;
+}
+
 // The weights of rows rr = 0..3 of group gw (as mmvd_row_of; row 0 of the first matrix, read
 // and not stored, past the end), and with `pf` (and RT_PDL_PREFETCH: not with
 // RUSTORCH_CUDA_PDL=1, as the other products) their L2 prefetch by this warp: part `part` of
@@ -733,10 +829,15 @@ struct CoopLegacy {
     }
 };
 
+// (MMVD_KC_PF=1: the cooperative Q4_K / Q6_K kernels prefetch their rows before the wait too;
+// timing variant, default off as measured in session 16.)
+#ifndef MMVD_KC_PF
+#define MMVD_KC_PF 1
+#endif
 // Q6_K as mmve_q6k_row without `tiled`: lane k's sum of group g is sc * dot of values
 // 4k..4k+3, less 32 * (the group's sc-weighted activation sum) in lane k = g.
 struct CoopQ6K {
-    enum { LANES = 8, GPB = 8, DL = 1, MIN = 0, PF = 0 };
+    enum { LANES = 8, GPB = 8, DL = 1, MIN = 0, PF = MMVD_KC_PF };
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 8) * 210;
     }
@@ -756,7 +857,7 @@ struct CoopQ6K {
 // per super-block acc = fma(f32(isum), d_w * d_a, acc) and accm likewise with dmin; the
 // value acc - accm.
 struct CoopQ4K {
-    enum { LANES = 2, GPB = 8, DL = 2, MIN = 0, PF = 0 };
+    enum { LANES = 2, GPB = 8, DL = 2, MIN = 0, PF = MMVD_KC_PF };
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 8) * 144;
     }
@@ -862,6 +963,17 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
         PDL_ENTRY_INSIDE();                                                                   \
         mmvd_coop_kernel<CoopLegacy<F, MIN>>(j, aq, ads, n_cols, cap);                        \
     }
+#define MMVD_LEGACY2(NAME, F, MIN)                                                            \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        mmvd_##NAME##_r2(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int) {        \
+        PDL_ENTRY_INSIDE();                                                                   \
+        mmvd_legacy2_kernel<F, MIN>(j, aq, ads, n_cols);                                      \
+    }
+MMVD_LEGACY2(q4_0, FQ4_0, false)
+MMVD_LEGACY2(q4_1, FQ4_1, true)
+MMVD_LEGACY2(q5_0, FQ5_0, false)
+MMVD_LEGACY2(q5_1, FQ5_1, true)
+MMVD_LEGACY2(q8_0, FQ8_0, false)
 MMVD_LEGACY(q4_0, FQ4_0, false)
 MMVD_LEGACY(q4_1, FQ4_1, true)
 MMVD_LEGACY(q5_0, FQ5_0, false)

@@ -193,6 +193,7 @@ pub fn kernel_names() -> Vec<String> {
                 v.push(format!("mmvd_{s}_w"));
             } else {
                 v.push(format!("mmvd_{s}"));
+                v.push(format!("mmvd_{s}_r2"));
             }
         }
     }
@@ -531,6 +532,14 @@ fn exact_coop_min() -> usize {
 fn exact_kwarp() -> bool {
     static D: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_KWARP").map_or(true, |v| v != "0"))
+}
+
+/// Which legacy-format products of rows up to 64 groups take two rows per warp
+/// (`mmvd_*_r2`, one pass over a row) instead of four (`mmvd_*`, two passes):
+/// `RUSTORCH_CUDA_MMVD_R2` = 0 none, 1 all but gate/up (the default), 2 all.
+fn exact_r2() -> usize {
+    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVD_R2", |v| v <= 2, 1))
 }
 
 /// Exact products of one to three tokens by the `mmvd_*` kernels (every lane of the
@@ -881,6 +890,14 @@ impl CudaDevice {
                         128,
                         smem as u32,
                         &[&job, &aq, &ads, &nc, &capi],
+                    )?;
+                } else if ng <= 64 && (exact_r2() == 2 || (exact_r2() == 1 && !glu)) {
+                    // eight threads per row, two rows (glu: a gate/up pair) per warp
+                    self.launch(
+                        &format!("mmvd_{st}_r2"),
+                        (blocks(rows, 8), n_tok as u32, 1),
+                        128,
+                        &[&job, &aq, &ads, &nc, &mode],
                     )?;
                 } else {
                     // eight threads per row, four rows (glu: two gate/up pairs) per warp
