@@ -1095,6 +1095,121 @@ extern "C" __global__ void __launch_bounds__(128)
         mmvd_warp_kernel<CoopQ4K>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ4K> *)mine);
 }
 
+// Q4_K and Q6_K rows of up to 64 groups, two rows per warp in one pass (`mmvd_*_w2`, not
+// gate/up; RUSTORCH_CUDA_MMVD_R2 as the legacy formats' `mmvd_*_r2`): each lane stages groups
+// lane and lane + 32 of both rows (all four stagings' loads before any store), then threads
+// (r, l), r < 2, l < LANES, walk the chains as mmvd_warp_kernel does (so the same bits).
+template <class P>
+struct __align__(16) WarpK2Smem {
+    int si[2][P::LANES][64 + 4];
+    float dd[2][P::DL][64 / P::GPB + 4];
+};
+
+template <class P>
+__device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__restrict__ aq,
+                                                  const float *__restrict__ scales, int n_cols,
+                                                  WarpK2Smem<P> &st) {
+    constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
+    static_assert(GPB == 8, "super-block policies only");
+    const int ng = n_cols >> 5, lane = threadIdx.x & 31;
+    const size_t rb = P::row_bytes(n_cols);
+    const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const u8 *wp[2];
+    int mr[2], wir[2];
+    bool hasr[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        wir[rr] = 2 * gw + rr;
+        hasr[rr] = job_row(j, mr[rr], wir[rr]);
+        wp[rr] = hasr[rr] ? job_w(j, mr[rr]) + (size_t)wir[rr] * rb : j.w[0];
+#if defined(RT_PDL_PREFETCH) && MMVD_W_PF
+        if (hasr[rr]) pdl_prefetch(wp[rr], rb, lane, 32);
+#endif
+    }
+    PDL_ENTRY();
+    const size_t t = blockIdx.y;
+    const i8 *a = aq + t * n_cols;
+    const float *sc = scales + t * (ng >> 3);
+    const int r = (lane >> 3) & 1, l = lane & 7;
+    float acc = 0.0f;
+    for (int g0 = 0; g0 < ng; g0 += 64) {
+        int v[2][2][8];
+        float d[2][2][2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int gi = min(g0 + lane + 32 * h, ng - 1);
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float2 mv;
+                P::stage(wp[rr], gi, a, sc, v[h][rr], d[h][rr], mv);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int jj = lane + 32 * h;
+            if (g0 + jj < ng) {
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+#pragma unroll
+                    for (int q = 0; q < L; q++) st.si[rr][q][jj] = v[h][rr][q];
+                    if ((jj & (GPB - 1)) == 0) {
+#pragma unroll
+                        for (int c = 0; c < DL; c++) st.dd[rr][c][jj / GPB] = d[h][rr][c];
+                    }
+                }
+            }
+        }
+        __syncwarp();
+        if (lane < 16 && l < L) {
+            const int *sp = st.si[r][l];
+            const float *dp = st.dd[r][DL == 2 ? l : 0];
+            const int n = min(64, ng - g0) / GPB;
+            for (int s = 0; s < n; s++) {
+                const int4 s0 = *(const int4 *)(sp + GPB * s);
+                const int4 s1 = *(const int4 *)(sp + GPB * s + 4);
+                const int vv = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
+                acc = __fmaf_rn(dp[s], __int2float_rn(vv), acc);
+            }
+        }
+        __syncwarp();
+    }
+    const float out =
+        DL == 2 ? __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1)) : hsum8_lanes(acc);
+    // (lane 8 row 1's, lane 0 row 0's; selected, not indexed, to keep the arrays in registers)
+    const bool one = lane == 8;
+    const int m = one ? mr[1] : mr[0], wi = one ? wir[1] : wir[0];
+    if ((lane == 0 || one) && (one ? hasr[1] : hasr[0]))
+        job_out(j, m)[t * job_rows(j, m) + wi] = out;
+}
+
+#define MMVD_WARPK2(NAME, P)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        mmvd_##NAME##_w2(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {          \
+        PDL_ENTRY_INSIDE();                                                                   \
+        __shared__ WarpK2Smem<P> smem[4];                                                     \
+        mmvd_warp2_kernel<P>(j, aq, dq, n_cols, smem[threadIdx.x >> 5]);                      \
+    }
+MMVD_WARPK2(q4_k, CoopQ4K)
+MMVD_WARPK2(q6_k, CoopQ6K)
+
+// Q4_K and Q6_K matrices of one launch, two rows per warp (each warp's rows in one matrix:
+// the host checks that every matrix but the last has an even number of rows).
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q4k6k_w2(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {
+    PDL_ENTRY_INSIDE();
+    constexpr size_t SZ = sizeof(WarpK2Smem<CoopQ6K>) > sizeof(WarpK2Smem<CoopQ4K>)
+                              ? sizeof(WarpK2Smem<CoopQ6K>)
+                              : sizeof(WarpK2Smem<CoopQ4K>);
+    __shared__ int4 raw[4 * SZ / 16];
+    char *mine = (char *)raw + (threadIdx.x >> 5) * SZ;
+    int m = 0, wi = 2 * (blockIdx.x * 4 + (threadIdx.x >> 5));
+    job_row(j, m, wi);
+    if ((j.q6k >> m) & 1)
+        mmvd_warp2_kernel<CoopQ6K>(j, aq, dq, n_cols, *(WarpK2Smem<CoopQ6K> *)mine);
+    else
+        mmvd_warp2_kernel<CoopQ4K>(j, aq, dq, n_cols, *(WarpK2Smem<CoopQ4K> *)mine);
+}
+
 // Q4_K and Q6_K matrices of one input in one launch (llama-quantize's Q4_K_M gives some
 // layers' V a Q6_K matrix beside Q4_K Q and K: one launch instead of two). Every block's four
 // rows lie in one matrix (the host checks that each matrix but the last has a multiple of 4

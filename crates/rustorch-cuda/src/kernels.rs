@@ -151,6 +151,7 @@ pub fn kernel_names() -> Vec<String> {
         "attn_exact",
         "mmvd_q4k6k_c",
         "mmvd_q4k6k_w",
+        "mmvd_q4k6k_w2",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -191,6 +192,7 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("mmvd_{s}_c"));
             if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
                 v.push(format!("mmvd_{s}_w"));
+                v.push(format!("mmvd_{s}_w2"));
             } else {
                 v.push(format!("mmvd_{s}"));
                 v.push(format!("mmvd_{s}_r2"));
@@ -534,9 +536,12 @@ fn exact_kwarp() -> bool {
     *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_KWARP").map_or(true, |v| v != "0"))
 }
 
-/// Which legacy-format products of rows up to 64 groups take two rows per warp
-/// (`mmvd_*_r2`, one pass over a row) instead of four (`mmvd_*`, two passes):
-/// `RUSTORCH_CUDA_MMVD_R2` = 0 none, 1 all but gate/up (the default), 2 all.
+/// Which exact products of rows up to 64 groups take two rows per warp in one pass over a
+/// row (legacy formats `mmvd_*_r2`, Q4_K / Q6_K `mmvd_*_w2`) instead of four in two passes
+/// (`mmvd_*`, `mmvd_*_w`): `RUSTORCH_CUDA_MMVD_R2` = 0 none, 1 all but gate/up (the
+/// default), 2 all (the legacy formats; Q4_K / Q6_K as 1). H200, tg128 --gpu-exact, 1 against
+/// 0: Q4_0 +5-6%, Q4_K_M +5%, Q8_0 the same; 2 is slower than 1 (docs/performance.md,
+/// session 24).
 fn exact_r2() -> usize {
     static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVD_R2", |v| v <= 2, 1))
@@ -851,15 +856,18 @@ impl CudaDevice {
                 };
                 let ng = n_cols / 32;
                 if kq(ty) && ng <= exact_coop_min() && exact_kwarp() {
-                    // four rows per warp (mmvd_warp_kernel)
+                    // four rows per warp (mmvd_warp_kernel), or two in one pass where the
+                    // rows take one (mmvd_warp2_kernel, as the legacy formats' mmvd_*_r2)
+                    let two = ng <= 64 && !glu && exact_r2() == 1;
+                    let sfx = if two { "_w2" } else { "_w" };
                     let name = if q6k != 0 {
-                        "mmvd_q4k6k_w".to_string()
+                        format!("mmvd_q4k6k{sfx}")
                     } else {
-                        format!("mmvd_{st}_w")
+                        format!("mmvd_{st}{sfx}")
                     };
                     self.launch(
                         &name,
-                        (blocks(rows, 16), n_tok as u32, 1),
+                        (blocks(rows, if two { 8 } else { 16 }), n_tok as u32, 1),
                         128,
                         &[&job, &aq, &ads, &nc, &mode],
                     )?;
