@@ -622,17 +622,30 @@ __device__ __forceinline__ void chain_walk(const int *sp, const float *dp, const
 // activations and stores the eight integer lane sums of each (lane-major: the sums of lane
 // l of row r consecutive) and d_w * d_a; then thread (r, l) walks its 32 sums in block
 // order, four per 16-byte shared load (every lane walks a chain).
-template <bool MIN>
-struct __align__(16) R4Smem {
-    int si[4][8][32 + 4];
-    float d[4][32 + 4];
-    float2 m[MIN ? 4 : 1][MIN ? 32 : 1];
+// (R rows per warp: 4, passes of 32 blocks; 2 (mmvd_legacy2), passes of 64)
+template <bool MIN, int R>
+struct __align__(16) RSmem {
+    int si[R][8][128 / R + 4];
+    float d[R][128 / R + 4];
+    float2 m[MIN ? R : 1][MIN ? 128 / R : 1];
 };
+
+// Block j's staging for row rr: its eight lane sums, d_w * d_a and the minimum term's factors.
+template <bool MIN, int R>
+__device__ __forceinline__ void stage_legacy(RSmem<MIN, R> &st, int rr, int j, const Group &g,
+                                             const int (&av)[8], float2 ds) {
+    int v[8];
+    legacy_lane_sums(g, av, v);
+#pragma unroll
+    for (int q = 0; q < 8; q++) st.si[rr][q][j] = v[q];
+    st.d[rr][j] = __fmul_rn(g.d0, ds.x);
+    if (MIN) st.m[rr][j] = make_float2(g.m0, ds.y);
+}
 
 template <class F, bool MIN>
 __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 *__restrict__ a,
                                              const float2 *__restrict__ ad, int nb,
-                                             R4Smem<MIN> &st) {
+                                             RSmem<MIN, 4> &st) {
     const int lane = threadIdx.x & 31, r = lane >> 3, l = lane & 7;
     float acc = 0.0f, summs = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += 32) {
@@ -645,12 +658,7 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
             for (int rr = 0; rr < 4; rr++) {
                 Group g;
                 F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g);
-                int v[8];
-                legacy_lane_sums(g, av, v);
-#pragma unroll
-                for (int q = 0; q < 8; q++) st.si[rr][q][lane] = v[q];
-                st.d[rr][lane] = __fmul_rn(g.d0, ds.x);
-                if (MIN) st.m[rr][lane] = make_float2(g.m0, ds.y);
+                stage_legacy(st, rr, lane, g, av, ds);
             }
         }
         __syncwarp();
@@ -668,17 +676,10 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
 // passes of 64 blocks, each lane decoding blocks b0 + lane and b0 + lane + 32 of both rows
 // (all four loads issued before any is used), so a row of up to 64 groups takes one pass
 // and one wait on memory instead of two; threads 0..15 walk the chains (row lane / 8).
-template <bool MIN>
-struct __align__(16) R2Smem {
-    int si[2][8][64 + 4];
-    float d[2][64 + 4];
-    float2 m[MIN ? 2 : 1][MIN ? 64 : 1];
-};
-
 template <class F, bool MIN>
 __device__ __forceinline__ float mmvd_legacy2(const u8 *const (&wp)[2], const i8 *__restrict__ a,
                                               const float2 *__restrict__ ad, int nb,
-                                              R2Smem<MIN> &st) {
+                                              RSmem<MIN, 2> &st) {
     const int lane = threadIdx.x & 31, r = (lane >> 3) & 1, l = lane & 7;
     float acc = 0.0f, summs = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += 64) {
@@ -698,14 +699,7 @@ __device__ __forceinline__ float mmvd_legacy2(const u8 *const (&wp)[2], const i8
             const int j = lane + 32 * h;
             if (b0 + j < nb) {
 #pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-                    int v[8];
-                    legacy_lane_sums(g[h][rr], av[h], v);
-#pragma unroll
-                    for (int q = 0; q < 8; q++) st.si[rr][q][j] = v[q];
-                    st.d[rr][j] = __fmul_rn(g[h][rr].d0, ds[h].x);
-                    if (MIN) st.m[rr][j] = make_float2(g[h][rr].m0, ds[h].y);
-                }
+                for (int rr = 0; rr < 2; rr++) stage_legacy(st, rr, j, g[h][rr], av[h], ds[h]);
             }
         }
         __syncwarp();
@@ -719,45 +713,64 @@ __device__ __forceinline__ float mmvd_legacy2(const u8 *const (&wp)[2], const i8
     return MIN ? __fadd_rn(sum, summs) : sum;
 }
 
+// The two rows of warp gw of a two-rows-per-warp product: with GLU and j.glu the gate and up
+// rows of output gw, else rows 2 gw and 2 gw + 1; their matrices, rows, presence and weights
+// (row 0 of the first matrix, read and not stored, past the end), and with PF (and
+// RT_PDL_PREFETCH) their L2 prefetch by this warp, before the wait.
+struct Rows2 {
+    const u8 *wp[2];
+    int m[2], wi[2];
+    bool has[2];
+};
+template <bool GLU, bool PF>
+__device__ __forceinline__ void rows2_of(const MmvJob &j, int gw, size_t rb, Rows2 &w) {
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        if (GLU && j.glu) {
+            w.m[rr] = rr;
+            w.wi[rr] = gw;
+            w.has[rr] = gw < j.rows[0];
+        } else {
+            w.wi[rr] = 2 * gw + rr;
+            w.has[rr] = job_row(j, w.m[rr], w.wi[rr]);
+        }
+        w.wp[rr] = w.has[rr] ? job_w(j, w.m[rr]) + (size_t)w.wi[rr] * rb : j.w[0];
+#ifdef RT_PDL_PREFETCH
+        if (PF && w.has[rr]) pdl_prefetch(w.wp[rr], rb, threadIdx.x & 31, 32);
+#endif
+    }
+}
+
+// Lane 0's value v of row 0 and lane 8's of row 1 to the output of token blockIdx.y (with GLU
+// and j.glu: lane 0 stores silu(gate) * up, up from lane 8).
+template <bool GLU>
+__device__ __forceinline__ void rows2_store(const MmvJob &j, int gw, const Rows2 &w, float v) {
+    const int lane = threadIdx.x & 31;
+    const size_t t = blockIdx.y;
+    if (GLU && j.glu) {
+        const float u = __shfl_down_sync(FULL_MASK, v, 8);
+        if (lane == 0 && w.has[0]) j.out[0][t * j.rows[0] + gw] = swiglu_cpu(v, u, gw, j.rows[0]);
+        return;
+    }
+    // (selected, not indexed, to keep the arrays in registers)
+    const bool one = lane == 8;
+    const int m = one ? w.m[1] : w.m[0], wi = one ? w.wi[1] : w.wi[0];
+    if ((lane == 0 || one) && (one ? w.has[1] : w.has[0])) job_out(j, m)[t * job_rows(j, m) + wi] = v;
+}
+
 template <class F, bool MIN>
 __device__ __forceinline__ void mmvd_legacy2_kernel(const MmvJob &j, const i8 *aq,
                                                     const float2 *ads, int n_cols) {
-    __shared__ R2Smem<MIN> smem[4];
-    const int nb = n_cols >> 5, lane = threadIdx.x & 31;
-    const size_t rb = (size_t)nb * F::BYTES;
+    __shared__ RSmem<MIN, 2> smem[4];
+    const int nb = n_cols >> 5;
     const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const u8 *wp[2];
-    int mr[2], wir[2];
-    bool hasr[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        // glu: the gate and up rows of output gw; else rows 2 gw and 2 gw + 1
-        if (j.glu) {
-            mr[rr] = rr;
-            wir[rr] = gw;
-            hasr[rr] = gw < j.rows[0];
-        } else {
-            wir[rr] = 2 * gw + rr;
-            hasr[rr] = job_row(j, mr[rr], wir[rr]);
-        }
-        wp[rr] = hasr[rr] ? job_w(j, mr[rr]) + (size_t)wir[rr] * rb : j.w[0];
-#ifdef RT_PDL_PREFETCH
-        if (hasr[rr]) pdl_prefetch(wp[rr], rb, lane, 32);
-#endif
-    }
+    Rows2 w;
+    rows2_of<true, true>(j, gw, (size_t)nb * F::BYTES, w);
     PDL_ENTRY();
     const size_t t = blockIdx.y;
-    const float v = mmvd_legacy2<F, MIN>(wp, aq + t * n_cols, ads + t * nb, nb,
+    const float v = mmvd_legacy2<F, MIN>(w.wp, aq + t * n_cols, ads + t * nb, nb,
                                          smem[threadIdx.x >> 5]);
-    if (j.glu) {
-        const float u = __shfl_down_sync(FULL_MASK, v, 8);
-        if (lane == 0 && hasr[0]) j.out[0][t * j.rows[0] + gw] = swiglu_cpu(v, u, gw, j.rows[0]);
-        return;
-    }
-    // (lane 8 row 1's, lane 0 row 0's; selected, not indexed, to keep the arrays in registers)
-    const bool one = lane == 8;
-    const int m = one ? mr[1] : mr[0], wi = one ? wir[1] : wir[0];
-    if ((lane == 0 || one) && (one ? hasr[1] : hasr[0])) job_out(j, m)[t * job_rows(j, m) + wi] = v;
+    rows2_store<true>(j, gw, w, v);
 }
 
 // The weights of rows rr = 0..3 of group gw (as mmvd_row_of; row 0 of the first matrix, read
@@ -784,7 +797,7 @@ __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, con
 template <class F, bool MIN>
 __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq,
                                                    const float2 *ads, int n_cols) {
-    __shared__ R4Smem<MIN> smem[4];
+    __shared__ RSmem<MIN, 4> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
     mmvd_rows(j, (size_t)nb * F::BYTES, wp, true);
@@ -877,6 +890,18 @@ struct CoopQ4K {
     }
 };
 
+// A super-block policy's chain (GPB = 8): acc = fma(dp[s], f32(the sum of step s's eight
+// staged sums), acc) for steps s = 0..n-1, the sums at sp (16-byte aligned).
+__device__ __forceinline__ float kq_chain(const int *sp, const float *dp, int n, float acc) {
+    for (int s = 0; s < n; s++) {
+        const int4 s0 = *(const int4 *)(sp + 8 * s);
+        const int4 s1 = *(const int4 *)(sp + 8 * s + 4);
+        const int v = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
+        acc = __fmaf_rn(dp[s], __int2float_rn(v), acc);
+    }
+    return acc;
+}
+
 template <class P>
 __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const void *__restrict__ scales, int n_cols,
@@ -929,12 +954,7 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
             if constexpr (GPB == 1) {
                 chain_walk<P::MIN>(sp, dp, mm + r * cap, n, l == 0, acc, summs);
             } else {
-                for (int st = 0; st < n / GPB; st++) {
-                    const int4 s0 = *(const int4 *)(sp + GPB * st);
-                    const int4 s1 = *(const int4 *)(sp + GPB * st + 4);
-                    const int v = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
-                    acc = __fmaf_rn(dp[st], __int2float_rn(v), acc);
-                }
+                acc = kq_chain(sp, dp, n / GPB, acc);
             }
         }
         __syncthreads();
@@ -1009,16 +1029,44 @@ MMVD_COOP(q6_k, CoopQ6K, __launch_bounds__(128))
 #ifndef MMVD_W_PF
 #define MMVD_W_PF 1
 #endif
-template <class P>
+// (R rows per warp: 4, passes of 32 groups; 2 (mmvd_warp2_kernel), passes of 64)
+template <class P, int R>
 struct __align__(16) WarpKSmem {
-    int si[4][P::LANES][32 + 4];
-    float dd[4][P::DL][32 / P::GPB + 4];
+    int si[R][P::LANES][128 / R + 4];
+    float dd[R][P::DL][128 / R / P::GPB + 4];
 };
+
+// Group jj's staging for row rr: its LANES sums, and at a super-block's first group its
+// factors.
+template <class P, int R>
+__device__ __forceinline__ void kq_store(WarpKSmem<P, R> &st, int rr, int jj, const int (&v)[8],
+                                         const float (&d)[2]) {
+#pragma unroll
+    for (int q = 0; q < P::LANES; q++) st.si[rr][q][jj] = v[q];
+    if ((jj & (P::GPB - 1)) == 0) {
+#pragma unroll
+        for (int c = 0; c < P::DL; c++) st.dd[rr][c][jj / P::GPB] = d[c];
+    }
+}
+
+// Thread (r, l)'s walk of a pass's n super-blocks of row r (l < LANES).
+template <class P, int R>
+__device__ __forceinline__ float kq_pass(const WarpKSmem<P, R> &st, int r, int l, int n,
+                                         float acc) {
+    return kq_chain(st.si[r][l], st.dd[r][P::DL == 2 ? l : 0], n, acc);
+}
+
+// A row's value from its walked chains, at lane 8r: acc - accm (Q4_K's two chains) or the
+// sum of the eight lanes' (Q6_K).
+template <class P>
+__device__ __forceinline__ float kq_value(float acc) {
+    return P::DL == 2 ? __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1)) : hsum8_lanes(acc);
+}
 
 template <class P>
 __device__ __forceinline__ void mmvd_warp_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const float *__restrict__ scales, int n_cols,
-                                                 WarpKSmem<P> &st) {
+                                                 WarpKSmem<P, 4> &st) {
     constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
     static_assert(GPB == 8, "super-block policies only");
     const int ng = n_cols >> 5;
@@ -1039,60 +1087,17 @@ __device__ __forceinline__ void mmvd_warp_kernel(const MmvJob &j, const i8 *__re
                 float d[2];
                 float2 mv;
                 P::stage(wp[rr], gi, a, sc, v, d, mv);
-#pragma unroll
-                for (int q = 0; q < L; q++) st.si[rr][q][lane] = v[q];
-                if ((lane & (GPB - 1)) == 0) {
-#pragma unroll
-                    for (int c = 0; c < DL; c++) st.dd[rr][c][lane / GPB] = d[c];
-                }
+                kq_store(st, rr, lane, v, d);
             }
         }
         __syncwarp();
-        if (l < L) {
-            const int *sp = st.si[r][l];
-            const float *dp = st.dd[r][DL == 2 ? l : 0];
-            const int n = min(32, ng - g0) / GPB;
-            for (int s = 0; s < n; s++) {
-                const int4 s0 = *(const int4 *)(sp + GPB * s);
-                const int4 s1 = *(const int4 *)(sp + GPB * s + 4);
-                const int v = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
-                acc = __fmaf_rn(dp[s], __int2float_rn(v), acc);
-            }
-        }
+        if (l < L) acc = kq_pass(st, r, l, min(32, ng - g0) / GPB, acc);
         __syncwarp();
     }
-    const float v =
-        DL == 2 ? __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1)) : hsum8_lanes(acc);
+    const float v = kq_value<P>(acc);
     int m, wi;
     const bool has = mmvd_row_of(j, r, m, wi);
     mmvd_store(j, m, wi, has, v);
-}
-
-#define MMVD_WARPK(NAME, P)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128)                                         \
-        mmvd_##NAME##_w(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {           \
-        PDL_ENTRY_INSIDE();                                                                   \
-        __shared__ WarpKSmem<P> smem[4];                                                      \
-        mmvd_warp_kernel<P>(j, aq, dq, n_cols, smem[threadIdx.x >> 5]);                       \
-    }
-MMVD_WARPK(q4_k, CoopQ4K)
-MMVD_WARPK(q6_k, CoopQ6K)
-
-// Q4_K and Q6_K matrices of one launch (as mmvd_q4k6k_c below), four rows per warp.
-extern "C" __global__ void __launch_bounds__(128)
-    mmvd_q4k6k_w(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {
-    PDL_ENTRY_INSIDE();
-    constexpr size_t SZ = sizeof(WarpKSmem<CoopQ6K>) > sizeof(WarpKSmem<CoopQ4K>)
-                              ? sizeof(WarpKSmem<CoopQ6K>)
-                              : sizeof(WarpKSmem<CoopQ4K>);
-    __shared__ int4 raw[4 * SZ / 16];
-    char *mine = (char *)raw + (threadIdx.x >> 5) * SZ;
-    int m, wi;
-    mmvd_row_of(j, 0, m, wi);
-    if ((j.q6k >> m) & 1)
-        mmvd_warp_kernel<CoopQ6K>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ6K> *)mine);
-    else
-        mmvd_warp_kernel<CoopQ4K>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ4K> *)mine);
 }
 
 // Q4_K and Q6_K rows of up to 64 groups, two rows per warp in one pass (`mmvd_*_w2`, not
@@ -1100,32 +1105,15 @@ extern "C" __global__ void __launch_bounds__(128)
 // lane and lane + 32 of both rows (all four stagings' loads before any store), then threads
 // (r, l), r < 2, l < LANES, walk the chains as mmvd_warp_kernel does (so the same bits).
 template <class P>
-struct __align__(16) WarpK2Smem {
-    int si[2][P::LANES][64 + 4];
-    float dd[2][P::DL][64 / P::GPB + 4];
-};
-
-template <class P>
 __device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                   const float *__restrict__ scales, int n_cols,
-                                                  WarpK2Smem<P> &st) {
+                                                  WarpKSmem<P, 2> &st) {
     constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
     static_assert(GPB == 8, "super-block policies only");
     const int ng = n_cols >> 5, lane = threadIdx.x & 31;
-    const size_t rb = P::row_bytes(n_cols);
     const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const u8 *wp[2];
-    int mr[2], wir[2];
-    bool hasr[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        wir[rr] = 2 * gw + rr;
-        hasr[rr] = job_row(j, mr[rr], wir[rr]);
-        wp[rr] = hasr[rr] ? job_w(j, mr[rr]) + (size_t)wir[rr] * rb : j.w[0];
-#if defined(RT_PDL_PREFETCH) && MMVD_W_PF
-        if (hasr[rr]) pdl_prefetch(wp[rr], rb, lane, 32);
-#endif
-    }
+    Rows2 w;
+    rows2_of<false, MMVD_W_PF>(j, gw, P::row_bytes(n_cols), w);
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const i8 *a = aq + t * n_cols;
@@ -1141,7 +1129,7 @@ __device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__r
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
                 float2 mv;
-                P::stage(wp[rr], gi, a, sc, v[h][rr], d[h][rr], mv);
+                P::stage(w.wp[rr], gi, a, sc, v[h][rr], d[h][rr], mv);
             }
         }
 #pragma unroll
@@ -1149,65 +1137,68 @@ __device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__r
             const int jj = lane + 32 * h;
             if (g0 + jj < ng) {
 #pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-#pragma unroll
-                    for (int q = 0; q < L; q++) st.si[rr][q][jj] = v[h][rr][q];
-                    if ((jj & (GPB - 1)) == 0) {
-#pragma unroll
-                        for (int c = 0; c < DL; c++) st.dd[rr][c][jj / GPB] = d[h][rr][c];
-                    }
-                }
+                for (int rr = 0; rr < 2; rr++) kq_store(st, rr, jj, v[h][rr], d[h][rr]);
             }
         }
         __syncwarp();
-        if (lane < 16 && l < L) {
-            const int *sp = st.si[r][l];
-            const float *dp = st.dd[r][DL == 2 ? l : 0];
-            const int n = min(64, ng - g0) / GPB;
-            for (int s = 0; s < n; s++) {
-                const int4 s0 = *(const int4 *)(sp + GPB * s);
-                const int4 s1 = *(const int4 *)(sp + GPB * s + 4);
-                const int vv = s0.x + s0.y + s0.z + s0.w + s1.x + s1.y + s1.z + s1.w;
-                acc = __fmaf_rn(dp[s], __int2float_rn(vv), acc);
-            }
-        }
+        if (lane < 16 && l < L) acc = kq_pass(st, r, l, min(64, ng - g0) / GPB, acc);
         __syncwarp();
     }
-    const float out =
-        DL == 2 ? __fsub_rn(acc, __shfl_down_sync(FULL_MASK, acc, 1)) : hsum8_lanes(acc);
-    // (lane 8 row 1's, lane 0 row 0's; selected, not indexed, to keep the arrays in registers)
-    const bool one = lane == 8;
-    const int m = one ? mr[1] : mr[0], wi = one ? wir[1] : wir[0];
-    if ((lane == 0 || one) && (one ? hasr[1] : hasr[0]))
-        job_out(j, m)[t * job_rows(j, m) + wi] = out;
+    rows2_store<false>(j, gw, w, kq_value<P>(acc));
 }
 
-#define MMVD_WARPK2(NAME, P)                                                                  \
+// R = 4: mmvd_warp_kernel, 2: mmvd_warp2_kernel.
+template <class P, int R>
+__device__ __forceinline__ void mmvd_kwarp(const MmvJob &j, const i8 *aq, const float *dq,
+                                           int n_cols, WarpKSmem<P, R> &st) {
+    if constexpr (R == 4) mmvd_warp_kernel<P>(j, aq, dq, n_cols, st);
+    else mmvd_warp2_kernel<P>(j, aq, dq, n_cols, st);
+}
+
+#define MMVD_WARPK(NAME, P)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        mmvd_##NAME##_w(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {           \
+        PDL_ENTRY_INSIDE();                                                                   \
+        __shared__ WarpKSmem<P, 4> smem[4];                                                   \
+        mmvd_kwarp<P, 4>(j, aq, dq, n_cols, smem[threadIdx.x >> 5]);                          \
+    }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                         \
         mmvd_##NAME##_w2(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {          \
         PDL_ENTRY_INSIDE();                                                                   \
-        __shared__ WarpK2Smem<P> smem[4];                                                     \
-        mmvd_warp2_kernel<P>(j, aq, dq, n_cols, smem[threadIdx.x >> 5]);                      \
+        __shared__ WarpKSmem<P, 2> smem[4];                                                   \
+        mmvd_kwarp<P, 2>(j, aq, dq, n_cols, smem[threadIdx.x >> 5]);                          \
     }
-MMVD_WARPK2(q4_k, CoopQ4K)
-MMVD_WARPK2(q6_k, CoopQ6K)
+MMVD_WARPK(q4_k, CoopQ4K)
+MMVD_WARPK(q6_k, CoopQ6K)
 
-// Q4_K and Q6_K matrices of one launch, two rows per warp (each warp's rows in one matrix:
-// the host checks that every matrix but the last has an even number of rows).
+// Q4_K and Q6_K matrices of one launch (as mmvd_q4k6k_c below), R rows per warp: each warp's
+// rows lie in one matrix (the host checks that every matrix but the last has a multiple of
+// four rows) and take its policy.
+template <int R>
+__device__ __forceinline__ void mmvd_q4k6k_warp(const MmvJob &j, const i8 *aq, const float *dq,
+                                                int n_cols) {
+    constexpr size_t SZ = sizeof(WarpKSmem<CoopQ6K, R>) > sizeof(WarpKSmem<CoopQ4K, R>)
+                              ? sizeof(WarpKSmem<CoopQ6K, R>)
+                              : sizeof(WarpKSmem<CoopQ4K, R>);
+    __shared__ int4 raw[4 * SZ / 16];
+    char *mine = (char *)raw + (threadIdx.x >> 5) * SZ;
+    int m = 0, wi = R * (blockIdx.x * 4 + (threadIdx.x >> 5));
+    if constexpr (R == 4) mmvd_row_of(j, 0, m, wi);
+    else job_row(j, m, wi);
+    if ((j.q6k >> m) & 1)
+        mmvd_kwarp<CoopQ6K, R>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ6K, R> *)mine);
+    else
+        mmvd_kwarp<CoopQ4K, R>(j, aq, dq, n_cols, *(WarpKSmem<CoopQ4K, R> *)mine);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q4k6k_w(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {
+    PDL_ENTRY_INSIDE();
+    mmvd_q4k6k_warp<4>(j, aq, dq, n_cols);
+}
 extern "C" __global__ void __launch_bounds__(128)
     mmvd_q4k6k_w2(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {
     PDL_ENTRY_INSIDE();
-    constexpr size_t SZ = sizeof(WarpK2Smem<CoopQ6K>) > sizeof(WarpK2Smem<CoopQ4K>)
-                              ? sizeof(WarpK2Smem<CoopQ6K>)
-                              : sizeof(WarpK2Smem<CoopQ4K>);
-    __shared__ int4 raw[4 * SZ / 16];
-    char *mine = (char *)raw + (threadIdx.x >> 5) * SZ;
-    int m = 0, wi = 2 * (blockIdx.x * 4 + (threadIdx.x >> 5));
-    job_row(j, m, wi);
-    if ((j.q6k >> m) & 1)
-        mmvd_warp2_kernel<CoopQ6K>(j, aq, dq, n_cols, *(WarpK2Smem<CoopQ6K> *)mine);
-    else
-        mmvd_warp2_kernel<CoopQ4K>(j, aq, dq, n_cols, *(WarpK2Smem<CoopQ4K> *)mine);
+    mmvd_q4k6k_warp<2>(j, aq, dq, n_cols);
 }
 
 // Q4_K and Q6_K matrices of one input in one launch (llama-quantize's Q4_K_M gives some
