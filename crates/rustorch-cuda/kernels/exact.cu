@@ -842,8 +842,9 @@ struct CoopLegacy {
     }
 };
 
-// (MMVD_KC_PF=1: the cooperative Q4_K / Q6_K kernels prefetch their rows before the wait too;
-// timing variant, default off as measured in session 16.)
+// (MMVD_KC_PF: whether the cooperative Q4_K / Q6_K kernels, now only the longer rows' (down
+// products), prefetch their rows before the wait too; on since session 24, about neutral
+// there (session 16 measured it slower when every K-quant product was cooperative).)
 #ifndef MMVD_KC_PF
 #define MMVD_KC_PF 1
 #endif
@@ -1067,7 +1068,7 @@ template <class P>
 __device__ __forceinline__ void mmvd_warp_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const float *__restrict__ scales, int n_cols,
                                                  WarpKSmem<P, 4> &st) {
-    constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
+    constexpr int L = P::LANES, GPB = P::GPB;
     static_assert(GPB == 8, "super-block policies only");
     const int ng = n_cols >> 5;
     const u8 *wp[4];
@@ -1108,7 +1109,7 @@ template <class P>
 __device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                   const float *__restrict__ scales, int n_cols,
                                                   WarpKSmem<P, 2> &st) {
-    constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
+    constexpr int L = P::LANES, GPB = P::GPB;
     static_assert(GPB == 8, "super-block policies only");
     const int ng = n_cols >> 5, lane = threadIdx.x & 31;
     const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);

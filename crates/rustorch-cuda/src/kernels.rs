@@ -858,7 +858,7 @@ impl CudaDevice {
                 if kq(ty) && ng <= exact_coop_min() && exact_kwarp() {
                     // four rows per warp (mmvd_warp_kernel), or two in one pass where the
                     // rows take one (mmvd_warp2_kernel, as the legacy formats' mmvd_*_r2)
-                    let two = ng <= 64 && !glu && exact_r2() == 1;
+                    let two = ng <= 64 && !glu && exact_r2() != 0;
                     let sfx = if two { "_w2" } else { "_w" };
                     let name = if q6k != 0 {
                         format!("mmvd_q4k6k{sfx}")
