@@ -494,13 +494,12 @@ __device__ __forceinline__ void q8k_warp(const float *x, i8 *q, float *d, bool f
         v[k] = x[32 * k + lane];
         amax = fmaxf(amax, fabsf(v[k]));
     }
-    amax = warp_max(amax);
+    amax = warp_amax(amax);  // (each lane's amax is a number: fmaxf from 0)
     int first = 256;
 #pragma unroll
     for (int k = 7; k >= 0; k--)
         if (fabsf(v[k]) == amax) first = min(first, 32 * k + lane);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(FULL_MASK, first, o));
+    first = warp_min_i(first);
     if (amax == 0.0f) {
 #pragma unroll
         for (int k = 0; k < 8; k++) q[32 * k + lane] = 0;
@@ -822,9 +821,22 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
 //          m the legacy minimum term's two factors;
 //   PF     whether the rows are prefetched into L2 before the wait (see mmvd_rows).
 // A step is acc = fma(d, f32(sum of the step's GPB sums), acc) per chain.
+// (MMVD_C_PF, and MMVD_C_PF8 for Q8_0: whether the cooperative legacy-format kernels, the
+// down products, prefetch their rows into L2 before the wait. Q8_0's 12 MB streaming in
+// while the short quantization launch before it runs slowed that launch more than it helped:
+// H200, tg128 --gpu-exact Q8_0, three rounds: 1148.40, 1127.31, 1134.44 t/s without,
+// 1105.05, 1103.96, 1114.72 with; Q4_0 the same either way, 1355.61, 1331.30, 1350.56
+// against 1350.68, 1348.75, 1348.67.)
+#ifndef MMVD_C_PF
+#define MMVD_C_PF 1
+#endif
+#ifndef MMVD_C_PF8
+#define MMVD_C_PF8 0
+#endif
 template <class F, bool MIN_>
 struct CoopLegacy {
-    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = 1 };
+    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = F::BYTES > 24 ? MMVD_C_PF8 : MMVD_C_PF };
+    typedef F Fmt;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 5) * F::BYTES;
     }
@@ -903,7 +915,59 @@ __device__ __forceinline__ float kq_chain(const int *sp, const float *dp, int n,
     return acc;
 }
 
+// (MMVD_C_ITEMS: how many items of a round each thread of a cooperative legacy-format
+// kernel decodes with all their loads issued before any is staged, so that a down product's
+// 2 x 176 items per round take one wait on memory per thread instead of three; 1: one item
+// at a time, as the K-quant policies)
+#ifndef MMVD_C_ITEMS
+#define MMVD_C_ITEMS 3
+#endif
+// A legacy-format round of the cooperative kernel (P = CoopLegacy): the same stagings as
+// P::stage, MMVD_C_ITEMS items per thread at once, their loads (block index clamped to the
+// last item, the extra results dropped) before any store.
 template <class P>
+__device__ __forceinline__ void coop_legacy_items(const u8 *const (&wp)[4], int g0, int n,
+                                                  const i8 *__restrict__ a,
+                                                  const float2 *__restrict__ ads, int *si,
+                                                  float *dd, float2 *mm, int C, int cap) {
+    typedef typename P::Fmt F;
+    constexpr int QI = MMVD_C_ITEMS;
+    const int tid = threadIdx.x;
+    for (int it0 = tid; it0 < 2 * n; it0 += 128 * QI) {
+        int av[QI][8];
+        float2 ds[QI];
+        Group g[QI][2];
+#pragma unroll
+        for (int q = 0; q < QI; q++) {
+            const int it = min(it0 + 128 * q, 2 * n - 1);
+            const int half = it >= n, gi = g0 + it - half * n;
+            group_acts(a, gi, av[q]);
+            ds[q] = ads[gi];
+#pragma unroll
+            for (int k = 0; k < 2; k++)
+                F::decode((half ? wp[2 + k] : wp[k]) + (size_t)gi * F::BYTES, 0, g[q][k]);
+        }
+#pragma unroll
+        for (int q = 0; q < QI; q++) {
+            const int it = it0 + 128 * q;
+            if (it < 2 * n) {
+                const int half = it >= n, jb = it - half * n;
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    const int rr = 2 * half + k;
+                    int v[8];
+                    legacy_lane_sums(g[q][k], av[q], v);
+#pragma unroll
+                    for (int l = 0; l < 8; l++) si[(rr * 8 + l) * C + jb] = v[l];
+                    dd[rr * (cap + 4) + jb] = __fmul_rn(g[q][k].d0, ds[q].x);
+                    if (P::MIN) mm[rr * cap + jb] = make_float2(g[q][k].m0, ds[q].y);
+                }
+            }
+        }
+    }
+}
+
+template <class P, bool SELFQ = false>
 __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const void *__restrict__ scales, int n_cols,
                                                  int cap) {
@@ -929,6 +993,9 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
     for (int g0 = 0; g0 < ng; g0 += cap) {
         const int n = min(cap, ng - g0);
         // items: (pair of rows, group), the group fastest
+        if constexpr (GPB == 1 && MMVD_C_ITEMS > 1) {
+            coop_legacy_items<P>(wp, g0, n, a, (const float2 *)sc, si, dd, mm, C, cap);
+        } else
         for (int it = tid; it < 2 * n; it += 128) {
             const int half = it >= n, jb = it - half * n;
 #pragma unroll
