@@ -967,7 +967,7 @@ __device__ __forceinline__ void coop_legacy_items(const u8 *const (&wp)[4], int 
     }
 }
 
-template <class P, bool SELFQ = false>
+template <class P>
 __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                  const void *__restrict__ scales, int n_cols,
                                                  int cap) {
@@ -995,24 +995,25 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
         // items: (pair of rows, group), the group fastest
         if constexpr (GPB == 1 && MMVD_C_ITEMS > 1) {
             coop_legacy_items<P>(wp, g0, n, a, (const float2 *)sc, si, dd, mm, C, cap);
-        } else
-        for (int it = tid; it < 2 * n; it += 128) {
-            const int half = it >= n, jb = it - half * n;
+        } else {
+            for (int it = tid; it < 2 * n; it += 128) {
+                const int half = it >= n, jb = it - half * n;
 #pragma unroll
-            for (int k = 0; k < 2; k++) {
-                const int rr = 2 * half + k;
-                int v[8];
-                float d[2];
-                float2 mv;
-                P::stage(rr == 0 ? wp[0] : rr == 1 ? wp[1] : rr == 2 ? wp[2] : wp[3], g0 + jb, a,
-                         sc, v, d, mv);
+                for (int k = 0; k < 2; k++) {
+                    const int rr = 2 * half + k;
+                    int v[8];
+                    float d[2];
+                    float2 mv;
+                    P::stage(rr == 0 ? wp[0] : rr == 1 ? wp[1] : rr == 2 ? wp[2] : wp[3],
+                             g0 + jb, a, sc, v, d, mv);
 #pragma unroll
-                for (int q = 0; q < L; q++) si[(rr * L + q) * C + jb] = v[q];
-                if (GPB == 1 || (jb & (GPB - 1)) == 0) {
+                    for (int q = 0; q < L; q++) si[(rr * L + q) * C + jb] = v[q];
+                    if (GPB == 1 || (jb & (GPB - 1)) == 0) {
 #pragma unroll
-                    for (int c = 0; c < DL; c++) dd[(rr * DL + c) * CS + jb / GPB] = d[c];
+                        for (int c = 0; c < DL; c++) dd[(rr * DL + c) * CS + jb / GPB] = d[c];
+                    }
+                    if (P::MIN) mm[rr * cap + jb] = mv;
                 }
-                if (P::MIN) mm[rr * cap + jb] = mv;
             }
         }
         __syncthreads();

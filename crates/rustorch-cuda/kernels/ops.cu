@@ -85,9 +85,8 @@ extern "C" __global__ void rms_norm(float *x, const float *__restrict__ y,
 #else
     // (n a power of two: the division as a multiplication by 2^-k, the same rounding of the
     // same real value, one DMUL instead of a DDIV sequence)
-    const float mean =
-        (float)((n & (n - 1)) == 0 ? sm[0] * __longlong_as_double((long long)(1023 - (__ffs(n) - 1)) << 52)
-                                   : sm[0] / (double)n);
+    const double inv2k = __longlong_as_double((long long)(1023 - (__ffs(n) - 1)) << 52);
+    const float mean = (float)((n & (n - 1)) == 0 ? sm[0] * inv2k : sm[0] / (double)n);
     const float scale = 1.0f / sqrtf(mean + eps);
 #endif
     const int ng = n >> 5;
