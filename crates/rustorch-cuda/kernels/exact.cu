@@ -848,11 +848,32 @@ struct CoopLegacy {
         const float2 ds = ((const float2 *)sc)[gi];
         Group g;
         F::decode(w + (size_t)gi * F::BYTES, 0, g);
+        finish(g, av, ds, v, d, m);
+    }
+    // stage's work after the loads: a decoded group g against codes av with scales ds
+    static __device__ __forceinline__ void finish(const Group &g, const int (&av)[8], float2 ds,
+                                                  int (&v)[8], float (&d)[2], float2 &m) {
         legacy_lane_sums(g, av, v);
         d[0] = __fmul_rn(g.d0, ds.x);
         m = make_float2(g.m0, ds.y);
     }
 };
+
+// A cooperative kernel's staging of item (row rr, group jb) of a round: its LANES sums v,
+// at a step's first group its DL factors d, and (P::MIN) the minimum term's factors mv.
+template <class P>
+__device__ __forceinline__ void coop_store(int *si, float *dd, float2 *mm, int C, int CS, int cap,
+                                           int rr, int jb, const int (&v)[8], const float (&d)[2],
+                                           float2 mv) {
+    constexpr int L = P::LANES, GPB = P::GPB, DL = P::DL;
+#pragma unroll
+    for (int q = 0; q < L; q++) si[(rr * L + q) * C + jb] = v[q];
+    if (GPB == 1 || (jb & (GPB - 1)) == 0) {
+#pragma unroll
+        for (int c = 0; c < DL; c++) dd[(rr * DL + c) * CS + jb / GPB] = d[c];
+    }
+    if (P::MIN) mm[rr * cap + jb] = mv;
+}
 
 // (MMVD_KC_PF: whether the cooperative Q4_K / Q6_K kernels, now only the longer rows' (down
 // products), prefetch their rows before the wait too; on since session 24, about neutral
@@ -954,13 +975,11 @@ __device__ __forceinline__ void coop_legacy_items(const u8 *const (&wp)[4], int 
                 const int half = it >= n, jb = it - half * n;
 #pragma unroll
                 for (int k = 0; k < 2; k++) {
-                    const int rr = 2 * half + k;
                     int v[8];
-                    legacy_lane_sums(g[q][k], av[q], v);
-#pragma unroll
-                    for (int l = 0; l < 8; l++) si[(rr * 8 + l) * C + jb] = v[l];
-                    dd[rr * (cap + 4) + jb] = __fmul_rn(g[q][k].d0, ds[q].x);
-                    if (P::MIN) mm[rr * cap + jb] = make_float2(g[q][k].m0, ds[q].y);
+                    float d[2];
+                    float2 mv;
+                    P::finish(g[q][k], av[q], ds[q], v, d, mv);
+                    coop_store<P>(si, dd, mm, C, cap + 4, cap, 2 * half + k, jb, v, d, mv);
                 }
             }
         }
@@ -1006,13 +1025,7 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
                     float2 mv;
                     P::stage(rr == 0 ? wp[0] : rr == 1 ? wp[1] : rr == 2 ? wp[2] : wp[3],
                              g0 + jb, a, sc, v, d, mv);
-#pragma unroll
-                    for (int q = 0; q < L; q++) si[(rr * L + q) * C + jb] = v[q];
-                    if (GPB == 1 || (jb & (GPB - 1)) == 0) {
-#pragma unroll
-                        for (int c = 0; c < DL; c++) dd[(rr * DL + c) * CS + jb / GPB] = d[c];
-                    }
-                    if (P::MIN) mm[rr * cap + jb] = mv;
+                    coop_store<P>(si, dd, mm, C, CS, cap, rr, jb, v, d, mv);
                 }
             }
         }

@@ -899,19 +899,13 @@ impl CudaDevice {
                         smem as u32,
                         &[&job, &aq, &ads, &nc, &capi],
                     )?;
-                } else if ng <= 64 && (exact_r2() == 2 || (exact_r2() == 1 && !glu)) {
-                    // eight threads per row, two rows (glu: a gate/up pair) per warp
-                    self.launch(
-                        &format!("mmvd_{st}_r2"),
-                        (blocks(rows, 8), n_tok as u32, 1),
-                        128,
-                        &[&job, &aq, &ads, &nc, &mode],
-                    )?;
                 } else {
-                    // eight threads per row, four rows (glu: two gate/up pairs) per warp
+                    // eight threads per row, two rows (glu: a gate/up pair) per warp in one
+                    // pass (mmvd_*_r2), or four (two gate/up pairs) in passes of 32 blocks
+                    let two = ng <= 64 && (exact_r2() == 2 || (exact_r2() == 1 && !glu));
                     self.launch(
-                        &format!("mmvd_{st}"),
-                        (blocks(rows, 16), n_tok as u32, 1),
+                        &format!("mmvd_{st}{}", if two { "_r2" } else { "" }),
+                        (blocks(rows, if two { 8 } else { 16 }), n_tok as u32, 1),
                         128,
                         &[&job, &aq, &ads, &nc, &mode],
                     )?;
