@@ -1182,6 +1182,39 @@ __device__ __forceinline__ void mmvd_warp_kernel(const MmvJob &j, const i8 *__re
     mmvd_store(j, m, wi, has, v);
 }
 
+// One pass of mmvd_warp2_kernel (groups g0 .. g0 + 63 of rows wp[0] and wp[1]): each lane
+// stages groups g0 + lane and g0 + lane + 32 of both rows (all four stagings' loads before
+// any store), then threads (r, l), r < 2, l < LANES, walk the chains.
+template <class P>
+__device__ __forceinline__ float kq2_pass(WarpKSmem<P, 2> &st, const u8 *const (&wp)[2], int g0,
+                                          int ng, const i8 *a, const float *sc, float acc) {
+    constexpr int L = P::LANES, GPB = P::GPB;
+    const int lane = threadIdx.x & 31, r = (lane >> 3) & 1, l = lane & 7;
+    int v[2][2][8];
+    float d[2][2][2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int gi = min(g0 + lane + 32 * h, ng - 1);
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            float2 mv;
+            P::stage(wp[rr], gi, a, sc, v[h][rr], d[h][rr], mv);
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int jj = lane + 32 * h;
+        if (g0 + jj < ng) {
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) kq_store(st, rr, jj, v[h][rr], d[h][rr]);
+        }
+    }
+    __syncwarp();
+    if (lane < 16 && l < L) acc = kq_pass(st, r, l, min(64, ng - g0) / GPB, acc);
+    __syncwarp();
+    return acc;
+}
+
 // Q4_K and Q6_K rows of up to 64 groups, two rows per warp in one pass (`mmvd_*_w2`, not
 // gate/up; RUSTORCH_CUDA_MMVD_R2 as the legacy formats' `mmvd_*_r2`): each lane stages groups
 // lane and lane + 32 of both rows (all four stagings' loads before any store), then threads
@@ -1190,9 +1223,8 @@ template <class P>
 __device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__restrict__ aq,
                                                   const float *__restrict__ scales, int n_cols,
                                                   WarpKSmem<P, 2> &st) {
-    constexpr int L = P::LANES, GPB = P::GPB;
-    static_assert(GPB == 8, "super-block policies only");
-    const int ng = n_cols >> 5, lane = threadIdx.x & 31;
+    static_assert(P::GPB == 8, "super-block policies only");
+    const int ng = n_cols >> 5;
     const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
     Rows2 w;
     rows2_of<false, MMVD_W_PF>(j, gw, P::row_bytes(n_cols), w);
@@ -1200,32 +1232,8 @@ __device__ __forceinline__ void mmvd_warp2_kernel(const MmvJob &j, const i8 *__r
     const size_t t = blockIdx.y;
     const i8 *a = aq + t * n_cols;
     const float *sc = scales + t * (ng >> 3);
-    const int r = (lane >> 3) & 1, l = lane & 7;
     float acc = 0.0f;
-    for (int g0 = 0; g0 < ng; g0 += 64) {
-        int v[2][2][8];
-        float d[2][2][2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int gi = min(g0 + lane + 32 * h, ng - 1);
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                float2 mv;
-                P::stage(w.wp[rr], gi, a, sc, v[h][rr], d[h][rr], mv);
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int jj = lane + 32 * h;
-            if (g0 + jj < ng) {
-#pragma unroll
-                for (int rr = 0; rr < 2; rr++) kq_store(st, rr, jj, v[h][rr], d[h][rr]);
-            }
-        }
-        __syncwarp();
-        if (lane < 16 && l < L) acc = kq_pass(st, r, l, min(64, ng - g0) / GPB, acc);
-        __syncwarp();
-    }
+    for (int g0 = 0; g0 < ng; g0 += 64) acc = kq2_pass<P>(st, w.wp, g0, ng, a, sc, acc);
     rows2_store<false>(j, gw, w, kq_value<P>(acc));
 }
 
@@ -1252,6 +1260,59 @@ __device__ __forceinline__ void mmvd_kwarp(const MmvJob &j, const i8 *aq, const 
     }
 MMVD_WARPK(q4_k, CoopQ4K)
 MMVD_WARPK(q6_k, CoopQ6K)
+
+// Q6_K matrices of many rows (the output matrix; the host picks it, RUSTORCH_CUDA_W2P_MIN):
+// mmvd_q6_k_w2's steps in the same order (so the same bits), but each warp walks the row
+// pairs gw, gw + G, gw + 2G, ... (G warps in the grid), their bytes copied into shared
+// memory by coalesced 16-byte cp.async copies (a warp's copy instruction reads 512
+// contiguous bytes, where the lanes' own loads of their groups touch about six lines each),
+// the next pair's copy in flight while this one is staged. One matrix, rows of up to 64
+// groups, 16-byte multiples (1680 bytes at 2048 columns).
+#define W2P_MAX16 105
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q6_k_p2(MmvJob j, const i8 *aq, const float *dq, int n_cols, int) {
+    PDL_ENTRY_INSIDE();
+    __shared__ WarpKSmem<CoopQ6K, 2> smem[4];
+    __shared__ __align__(16) int4 raw[4][2][2 * W2P_MAX16];  // warp, buffer, both rows
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ng = n_cols >> 5, rows = j.rows[0], npairs = (rows + 1) >> 1;
+    const size_t rb = CoopQ6K::row_bytes(n_cols);
+    const int n16 = (int)(rb >> 4), G = gridDim.x * 4;
+    // pair p's rows into buffer b (the last row again past the end: read, not stored)
+    auto issue = [&](int p, int b) {
+        if (p < npairs) {
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const int4 *src = (const int4 *)(j.w[0] + (size_t)min(2 * p + rr, rows - 1) * rb);
+                int4 *dst = raw[warp][b] + rr * n16;
+                for (int i = lane; i < n16; i += 32) {
+                    const u32 sa = (u32)__cvta_generic_to_shared(dst + i);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src + i));
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    int p = blockIdx.x * 4 + warp, b = 0;
+    issue(p, 0);  // (weights: no kernel writes them, so before the wait)
+    PDL_ENTRY();
+    const size_t t = blockIdx.y;
+    const i8 *a = aq + t * n_cols;
+    const float *sc = dq + t * (ng >> 3);
+    for (; p < npairs; p += G, b ^= 1) {
+        issue(p + G, b ^ 1);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncwarp();
+        const u8 *wp[2] = {(const u8 *)raw[warp][b], (const u8 *)(raw[warp][b] + n16)};
+        // (kq2_pass's last __syncwarp follows every read of buffer b, which the next round's
+        // copies overwrite)
+        const float acc = kq2_pass<CoopQ6K>(smem[warp], wp, 0, ng, a, sc, 0.0f);
+        Rows2 w;
+        rows2_of<false, false>(j, p, rb, w);
+        rows2_store<false>(j, p, w, kq_value<CoopQ6K>(acc));
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 // Q4_K and Q6_K matrices of one launch (as mmvd_q4k6k_c below), R rows per warp: each warp's
 // rows lie in one matrix (the host checks that every matrix but the last has a multiple of

@@ -119,43 +119,13 @@ struct FQ5_1 {
     }
 };
 
-// (MMVD_Q8V, prepared for a timing comparison, not yet run on a GPU: a block's 34 bytes from
-// the three 16-byte words that cover them, the scale and the codes' words picked by selects
-// and funnel shifts: 3 load instructions instead of 10, each touching as many lines, since a
-// warp's lanes read blocks 34 bytes apart. Reads up to 14 bytes past a block, so past the
-// end of the matrix for its last one: inside the allocation's granule, but to be padded if
-// kept.)
 struct FQ8_0 {
     enum { QK = 32, BYTES = 34 };
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
-#ifdef MMVD_Q8V
-        const size_t a = (size_t)b;
-        const int4 *p = (const int4 *)(a & ~(size_t)15);
-        const u32 s = (u32)(a & 15);  // even: blocks are 2-byte aligned
-        const int4 t0 = p[0], t1 = p[1], t2 = p[2];
-        const u32 w[13] = {(u32)t0.x, (u32)t0.y, (u32)t0.z, (u32)t0.w, (u32)t1.x,
-                           (u32)t1.y, (u32)t1.z, (u32)t1.w, (u32)t2.x, (u32)t2.y,
-                           (u32)t2.z, (u32)t2.w, 0u};
-        // the scale: bytes s, s + 1; the codes: from byte s + 2, word q, shifted by sh bits
-        const u32 ws = s >> 2;
-        const u32 dw = ws == 0 ? w[0] : ws == 1 ? w[1] : ws == 2 ? w[2] : w[3];
-        const float d = h2f((u16)((s & 2) ? dw >> 16 : dw & 0xffffu));
-        const u32 q = (s + 2) >> 2, sh = ((s + 2) & 2) * 8;
-        u32 x[9];
-#pragma unroll
-        for (int j = 0; j < 9; j++) {
-            const u32 lo = q == 0 ? w[j] : q == 1 ? w[j + 1] : w[j + 2];
-            x[j] = q == 3 ? w[j + 3] : q == 4 ? w[j + 4] : lo;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; i++) o.v[i] = (int)__funnelshift_r(x[i], x[i + 1], sh);
-        set_scales(o, d, 0, 0.0f);
-#else
         float d = h2f(ld_u16(b));
 #pragma unroll
         ld_ints_a2<8>(b + 2, o.v);
         set_scales(o, d, 0, 0.0f);
-#endif
     }
 };
 

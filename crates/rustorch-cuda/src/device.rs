@@ -289,7 +289,7 @@ impl CudaDevice {
             let f = module.load_function(&name).map_err(|e| {
                 CudaError::Driver(format!("kernel {name} missing from the module: {e}"))
             })?;
-            if name.starts_with("mmve_") {
+            if name.starts_with("mmve_") || name == "mmvd_q6_k_p2" {
                 // the exact products stage every row's integer sums in shared memory: the
                 // largest carveout lets one more block per multiprocessor in (a preference;
                 // a driver that refuses it only costs speed)

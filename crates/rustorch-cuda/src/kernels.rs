@@ -152,6 +152,7 @@ pub fn kernel_names() -> Vec<String> {
         "mmvd_q4k6k_c",
         "mmvd_q4k6k_w",
         "mmvd_q4k6k_w2",
+        "mmvd_q6_k_p2",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -542,6 +543,16 @@ fn exact_kwarp() -> bool {
 /// default), 2 all (the legacy formats; Q4_K / Q6_K as 1). H200, tg128 --gpu-exact, 1 against
 /// 0: Q4_0 +5-6%, Q4_K_M +5%, Q8_0 the same; 2 is slower than 1 (docs/performance.md,
 /// session 24).
+/// Exact Q6_K products of at least this many rows in one matrix (the output matrix) take
+/// `mmvd_q6_k_p2` instead of `mmvd_q6_k_w2` (`RUSTORCH_CUDA_W2P_MIN`; a huge value turns it
+/// off). H200, tg128 --gpu-exact, two leases of three rounds, medians against off: Q4_0
+/// (Q6_K output matrix) +0.4% and +1.1%, Q4_K_M +0.8% and +1.5% (docs/performance.md,
+/// session 26).
+fn exact_w2p_min() -> usize {
+    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *M.get_or_init(|| env_usize("RUSTORCH_CUDA_W2P_MIN", |_| true, 16384))
+}
+
 fn exact_r2() -> usize {
     static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVD_R2", |v| v <= 2, 1))
@@ -860,6 +871,26 @@ impl CudaDevice {
                     // rows take one (mmvd_warp2_kernel, as the legacy formats' mmvd_*_r2)
                     let two = ng <= 64 && !glu && exact_r2() != 0;
                     let sfx = if two { "_w2" } else { "_w" };
+                    if two
+                        && q6k == 0
+                        && ty == GgmlType::Q6_K
+                        && k - i == 1
+                        && rows >= exact_w2p_min()
+                        && (n_cols / 256 * 210) % 16 == 0
+                    {
+                        // many rows (the output matrix): warps walking row pairs, each
+                        // pair's bytes copied into shared memory (mmvd_q6_k_p2), as many
+                        // blocks as fit at once (five a multiprocessor, shared memory)
+                        let nb = blocks(rows, 8).min(5 * self.info.multiprocessors as u32);
+                        self.launch(
+                            "mmvd_q6_k_p2",
+                            (nb, n_tok as u32, 1),
+                            128,
+                            &[&job, &aq, &ads, &nc, &mode],
+                        )?;
+                        i = k;
+                        continue;
+                    }
                     let name = if q6k != 0 {
                         format!("mmvd_q4k6k{sfx}")
                     } else {
