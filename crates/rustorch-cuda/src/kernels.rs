@@ -876,7 +876,7 @@ impl CudaDevice {
                         && ty == GgmlType::Q6_K
                         && k - i == 1
                         && rows >= exact_w2p_min()
-                        && (n_cols / 256 * 210) % 16 == 0
+                        && (n_cols / 256 * 210).is_multiple_of(16)
                     {
                         // many rows (the output matrix): warps walking row pairs, each
                         // pair's bytes copied into shared memory (mmvd_q6_k_p2), as many
