@@ -1286,12 +1286,18 @@ extern "C" __global__ void __launch_bounds__(128)
                 const int4 *src = (const int4 *)(j.w[0] + (size_t)min(2 * p + rr, rows - 1) * rb);
                 int4 *dst = raw[warp][b] + rr * n16;
                 for (int i = lane; i < n16; i += 32) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
                     const u32 sa = (u32)__cvta_generic_to_shared(dst + i);
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src + i));
+#else
+                    dst[i] = src[i];  // (no cp.async before sm_80: copied at once)
+#endif
                 }
             }
         }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
         asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
     };
     int p = blockIdx.x * 4 + warp, b = 0;
     issue(p, 0);  // (weights: no kernel writes them, so before the wait)
@@ -1301,7 +1307,9 @@ extern "C" __global__ void __launch_bounds__(128)
     const float *sc = dq + t * (ng >> 3);
     for (; p < npairs; p += G, b ^= 1) {
         issue(p + G, b ^ 1);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
         asm volatile("cp.async.wait_group 1;" ::: "memory");
+#endif
         __syncwarp();
         const u8 *wp[2] = {(const u8 *)raw[warp][b], (const u8 *)(raw[warp][b] + n16)};
         // (kq2_pass's last __syncwarp follows every read of buffer b, which the next round's
@@ -1311,7 +1319,9 @@ extern "C" __global__ void __launch_bounds__(128)
         rows2_of<false, false>(j, p, rb, w);
         rows2_store<false>(j, p, w, kq_value<CoopQ6K>(acc));
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
 }
 
 // Q4_K and Q6_K matrices of one launch (as mmvd_q4k6k_c below), R rows per warp: each warp's
