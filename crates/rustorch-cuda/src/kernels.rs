@@ -537,12 +537,6 @@ fn exact_kwarp() -> bool {
     *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_KWARP").map_or(true, |v| v != "0"))
 }
 
-/// Which exact products of rows up to 64 groups take two rows per warp in one pass over a
-/// row (legacy formats `mmvd_*_r2`, Q4_K / Q6_K `mmvd_*_w2`) instead of four in two passes
-/// (`mmvd_*`, `mmvd_*_w`): `RUSTORCH_CUDA_MMVD_R2` = 0 none, 1 all but gate/up (the
-/// default), 2 all (the legacy formats; Q4_K / Q6_K as 1). H200, tg128 --gpu-exact, 1 against
-/// 0: Q4_0 +5-6%, Q4_K_M +5%, Q8_0 the same; 2 is slower than 1 (docs/performance.md,
-/// session 24).
 /// Exact Q6_K products of at least this many rows in one matrix (the output matrix) take
 /// `mmvd_q6_k_p2` instead of `mmvd_q6_k_w2` (`RUSTORCH_CUDA_W2P_MIN`; a huge value turns it
 /// off). H200, tg128 --gpu-exact, two leases of three rounds, medians against off: Q4_0
@@ -553,6 +547,12 @@ fn exact_w2p_min() -> usize {
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_W2P_MIN", |_| true, 16384))
 }
 
+/// Which exact products of rows up to 64 groups take two rows per warp in one pass over a
+/// row (legacy formats `mmvd_*_r2`, Q4_K / Q6_K `mmvd_*_w2`) instead of four in two passes
+/// (`mmvd_*`, `mmvd_*_w`): `RUSTORCH_CUDA_MMVD_R2` = 0 none, 1 all but gate/up (the
+/// default), 2 all (the legacy formats; Q4_K / Q6_K as 1). H200, tg128 --gpu-exact, 1 against
+/// 0: Q4_0 +5-6%, Q4_K_M +5%, Q8_0 the same; 2 is slower than 1 (docs/performance.md,
+/// session 24).
 fn exact_r2() -> usize {
     static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVD_R2", |v| v <= 2, 1))
@@ -876,7 +876,7 @@ impl CudaDevice {
                         && ty == GgmlType::Q6_K
                         && k - i == 1
                         && rows >= exact_w2p_min()
-                        && (n_cols / 256 * 210).is_multiple_of(16)
+                        && (n_cols / ty.block_size() * ty.type_size()).is_multiple_of(16)
                     {
                         // many rows (the output matrix): warps walking row pairs, each
                         // pair's bytes copied into shared memory (mmvd_q6_k_p2), as many
