@@ -304,6 +304,7 @@ impl<'a> Cuda<'a> {
             .map_err(be_err);
         let st = self.st();
         st.graphs.stats.prepare_ns += t0.elapsed().as_nanos() as u64;
+        st.graphs.stats.upload_ns += st.inp.copy_ns;
         st.inp.cache = cache
             .store()
             .and_then(|s| s.as_any().downcast_ref::<CudaKvStore>())
@@ -314,13 +315,14 @@ impl<'a> Cuda<'a> {
     /// Runs one call: `f` is the architecture's forward pass on this backend. With `graph`
     /// (a decode step without hooks), the call may be replayed from, or captured into, a
     /// CUDA graph (see [`crate::step`]); then `f`'s own reads return nothing and the second
-    /// value holds the values of the one buffer it read (the logits). `f` may run more than
-    /// once. Waits for the device before returning.
+    /// value holds the values of the one buffer it read (the logits), in page-locked memory
+    /// shared with the caller ([`step::HostValues`]). `f` may run more than once. Waits for
+    /// the device before returning.
     pub fn run<T, E: From<BackendError>>(
         &mut self,
         graph: bool,
         mut f: impl FnMut(&mut Self) -> Result<T, E>,
-    ) -> Result<(T, Option<Vec<f32>>), E> {
+    ) -> Result<(T, Option<step::HostValues>), E> {
         if !graph || self.hook.is_some() || !step::graphs_enabled() {
             return self.eager(&mut f);
         }
@@ -458,10 +460,17 @@ impl<'a> Cuda<'a> {
         if !same || st.early_off || !step::early_enabled() {
             return Ok(None);
         }
+        if let Some(t) = st.graphs.read_done.take() {
+            st.graphs.stats.gap_ns += t.elapsed().as_nanos() as u64;
+            st.graphs.stats.gaps += 1;
+        }
         let Some(c) = st.graphs.find(last.sig) else {
             return Ok(None);
         };
-        replay(&c.graph.0).map_err(|e| be_err(e.into()))?;
+        let t = std::time::Instant::now();
+        let r = replay(&c.graph.0);
+        st.graphs.stats.launch_ns += t.elapsed().as_nanos() as u64;
+        r.map_err(|e| be_err(e.into()))?;
         Ok(Some(last))
     }
 
@@ -482,7 +491,7 @@ impl<'a> Cuda<'a> {
     fn eager<T, E: From<BackendError>>(
         &mut self,
         f: &mut impl FnMut(&mut Self) -> Result<T, E>,
-    ) -> Result<(T, Option<Vec<f32>>), E> {
+    ) -> Result<(T, Option<step::HostValues>), E> {
         self.reset_call();
         let g = &mut self.st().graphs;
         g.stats.eager += 1;
@@ -694,10 +703,18 @@ impl<'a> Cuda<'a> {
     }
 
     /// Values of a device buffer (waits for the stream).
-    fn read_back(&mut self, (ptr, len): (u64, usize)) -> Result<Vec<f32>, BackendError> {
+    fn read_back(&mut self, (ptr, len): (u64, usize)) -> Result<step::HostValues, BackendError> {
         let dev = self.dev;
+        let t0 = std::time::Instant::now();
+        let mut synced = t0;
         // SAFETY: the buffer was read by the call (it is a live workspace buffer).
-        unsafe { self.st().out_host.read_f32(dev, ptr, len) }.map_err(be_err)
+        let r = unsafe { self.st().out_host.read(dev, ptr, len, &mut synced) };
+        let t1 = std::time::Instant::now();
+        let g = &mut self.st().graphs;
+        g.stats.sync_ns += (synced - t0).as_nanos() as u64;
+        g.stats.copy_ns += (t1 - synced).as_nanos() as u64;
+        g.read_done = Some(t1);
+        r.map_err(be_err)
     }
 
     /// Waits for the queued ops and returns the first error of the call, if any.

@@ -21,7 +21,7 @@ pub use device::{device_count, CudaDevice, DeviceInfo, GpuVec, ModuleInfo};
 pub use error::CudaError;
 pub use kernels::{AttnRow, AttnShape, CudaMatrix, Scratch};
 pub use kv::{CudaKvStore, KeyRope};
-pub use step::{CudaState, GraphStats};
+pub use step::{CudaState, GraphStats, HostValues};
 
 #[cfg(test)]
 mod tests {

@@ -79,12 +79,14 @@ impl Pinned {
     /// buffer of its own.
     ///
     /// # Safety
-    /// `src` must be live device memory of at least `n` values.
+    /// `src` must be live device memory of at least `n` values. `synced` is set to when
+    /// the wait for the device ended.
     pub(crate) unsafe fn read_f32(
         &mut self,
         dev: &CudaDevice,
         src: u64,
         n: usize,
+        synced: &mut std::time::Instant,
     ) -> Result<Vec<f32>> {
         self.reserve(dev, n)?;
         let w = self.words(n);
@@ -92,6 +94,7 @@ impl Pinned {
             cudarc::driver::result::memcpy_dtoh_async(w, src, dev.stream().cu_stream())?;
         }
         dev.stream().synchronize()?;
+        *synced = std::time::Instant::now();
         Ok(self.words(n).iter().map(|&b| f32::from_bits(b)).collect())
     }
 
@@ -123,6 +126,163 @@ impl Drop for Pinned {
     }
 }
 
+/// Page-locked host memory for f32 values read back from the device, shared with the
+/// [`HostValues`] views handed out of it (the context is kept alive until it is freed).
+pub(crate) struct PinnedF32 {
+    ptr: *mut f32,
+    cap: usize,
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+// SAFETY: plain host memory owned by this value; written only through `&mut` (a pool
+// entry no view shares, `Arc::get_mut`), read-only while shared.
+unsafe impl Send for PinnedF32 {}
+unsafe impl Sync for PinnedF32 {}
+
+impl PinnedF32 {
+    fn new(dev: &CudaDevice, cap: usize) -> Result<Self> {
+        dev.context().bind_to_thread()?;
+        // SAFETY: a fresh allocation of `cap` values, freed in drop.
+        let p = unsafe { cudarc::driver::result::malloc_host(cap.max(1) * 4, 0) }?;
+        Ok(PinnedF32 {
+            ptr: p.cast::<f32>(),
+            cap,
+            ctx: dev.context().clone(),
+        })
+    }
+}
+
+impl Drop for PinnedF32 {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_host; no copy into it is in flight (a read-back waits
+        // for its copy before returning a view, and the pool drops its entries only after
+        // the calls that filled them).
+        unsafe {
+            let _ = self.ctx.bind_to_thread();
+            let _ = cudarc::driver::result::free_host(self.ptr.cast::<c_void>());
+        }
+    }
+}
+
+/// Values a step read back from the device (its logits), without a copy on the host: a
+/// view of the page-locked buffer the device copied them into, which the backend does not
+/// reuse while a view of it lives (or, past [`READ_POOL`] such buffers in use, an owned
+/// copy). llama.cpp likewise hands out its output buffer.
+#[derive(Clone)]
+pub struct HostValues(HostRepr);
+
+#[derive(Clone)]
+enum HostRepr {
+    Pinned(std::sync::Arc<PinnedF32>, usize),
+    Owned(Vec<f32>),
+}
+
+impl std::ops::Deref for HostValues {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match &self.0 {
+            // SAFETY: `len` <= the buffer's capacity, filled before the view was made and
+            // not written while the view (a strong count) lives.
+            HostRepr::Pinned(b, len) => unsafe { std::slice::from_raw_parts(b.ptr, *len) },
+            HostRepr::Owned(v) => v,
+        }
+    }
+}
+
+impl std::fmt::Debug for HostValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostValues({} values)", self.len())
+    }
+}
+
+impl From<HostValues> for Vec<f32> {
+    fn from(v: HostValues) -> Vec<f32> {
+        match v.0 {
+            HostRepr::Owned(v) => v,
+            HostRepr::Pinned(..) => v.to_vec(),
+        }
+    }
+}
+
+/// Timing only (`RUSTORCH_CUDA_READ_COPY=1`): every read-back copied into a new vector,
+/// as before [`HostValues`] views.
+fn read_copies() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_READ_COPY").is_ok_and(|v| v == "1"))
+}
+
+/// Read-back buffers kept per model: a caller holding this many steps' logits at once
+/// gets copies from then on.
+pub(crate) const READ_POOL: usize = 4;
+
+/// The page-locked buffers steps' logits are read back into (see [`HostValues`]).
+#[derive(Default)]
+pub(crate) struct ReadPool {
+    bufs: Vec<std::sync::Arc<PinnedF32>>,
+    /// For copies once every buffer is in use.
+    spare: Pinned,
+}
+
+impl ReadPool {
+    /// The `n` values at device address `src` (waits for the stream); `synced` is set to
+    /// when the wait ended.
+    ///
+    /// # Safety
+    /// `src` must be live device memory of at least `n` values.
+    pub(crate) unsafe fn read(
+        &mut self,
+        dev: &CudaDevice,
+        src: u64,
+        n: usize,
+        synced: &mut std::time::Instant,
+    ) -> Result<HostValues> {
+        if read_copies() {
+            let v = self.spare.read_f32(dev, src, n, synced)?;
+            return Ok(HostValues(HostRepr::Owned(v)));
+        }
+        let free = self
+            .bufs
+            .iter()
+            .position(|b| std::sync::Arc::strong_count(b) == 1 && b.cap >= n);
+        let unused = self
+            .bufs
+            .iter()
+            .position(|b| std::sync::Arc::strong_count(b) == 1);
+        let cap = n.next_multiple_of(1 << 16);
+        let at = match (free, unused) {
+            (Some(i), _) => i,
+            // one no view holds, too small: replaced by a larger one
+            (None, Some(i)) => {
+                self.bufs[i] = std::sync::Arc::new(PinnedF32::new(dev, cap)?);
+                i
+            }
+            (None, None) if self.bufs.len() < READ_POOL => {
+                self.bufs
+                    .push(std::sync::Arc::new(PinnedF32::new(dev, cap)?));
+                self.bufs.len() - 1
+            }
+            (None, None) => {
+                // every buffer is still viewed: a copy
+                let v = self.spare.read_f32(dev, src, n, synced)?;
+                return Ok(HostValues(HostRepr::Owned(v)));
+            }
+        };
+        let Some(buf) = std::sync::Arc::get_mut(&mut self.bufs[at]) else {
+            return Err(CudaError::Unsupported(
+                "read-back buffer still shared".into(),
+            ));
+        };
+        if n > 0 {
+            // SAFETY: `n` values of this buffer, which no view shares (get_mut).
+            let dst = std::slice::from_raw_parts_mut(buf.ptr.cast::<u32>(), n);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src, dev.stream().cu_stream())?;
+        }
+        dev.stream().synchronize()?;
+        *synced = std::time::Instant::now();
+        Ok(HostValues(HostRepr::Pinned(self.bufs[at].clone(), n)))
+    }
+}
+
 /// One call's inputs on the device (see the module doc), and their host values, so that
 /// an op can tell that what it is given is what was uploaded.
 #[derive(Default)]
@@ -135,6 +295,8 @@ pub(crate) struct Prepared {
     pub seq_ids: Vec<u32>,
     pub cells: Vec<usize>,
     pub out_rows: Vec<u32>,
+    /// Host time of the last upload's copy call, in nanoseconds.
+    pub copy_ns: u64,
     /// Word offsets in `buf`.
     pub tok_off: usize,
     pub pos_off: usize,
@@ -221,6 +383,7 @@ impl Prepared {
         }
         // SAFETY: `total` words of pinned host memory into the buffer sized above; the
         // host words are not touched again before the call ends (it waits for the stream).
+        let t0 = std::time::Instant::now();
         unsafe {
             dev.check_copy_allowed()?;
             dev.context().bind_to_thread()?;
@@ -232,6 +395,7 @@ impl Prepared {
             )
             .result()?;
         }
+        self.copy_ns = t0.elapsed().as_nanos() as u64;
         self.tokens.clear();
         self.tokens.extend_from_slice(tokens);
         self.positions.clear();
@@ -284,6 +448,18 @@ pub struct GraphStats {
     pub dry_ns: u64,
     pub capture_ns: u64,
     pub replay_ns: u64,
+    /// Host time on a token's critical path, in nanoseconds: `sync_ns` from the read-back's
+    /// start to the end of its wait for the device, `copy_ns` its copy of the values out of
+    /// the page-locked buffer, `gap_ns` from the read-back's return to the next call's early
+    /// launch of its graph (`gaps` such calls); the GPU idles through the last two.
+    pub sync_ns: u64,
+    pub copy_ns: u64,
+    pub gap_ns: u64,
+    pub gaps: u64,
+    /// Host time of the early launches' graph launch calls, and of the input uploads' copy
+    /// calls (part of `prepare_ns`).
+    pub launch_ns: u64,
+    pub upload_ns: u64,
 }
 
 /// The graph the last call replayed, and what must be unchanged for the next call to
@@ -315,6 +491,8 @@ pub(crate) struct Graphs {
     pub bad: Vec<u64>,
     pub tick: u64,
     pub stats: GraphStats,
+    /// When the last read-back returned (for [`GraphStats::gap_ns`]).
+    pub read_done: Option<std::time::Instant>,
 }
 
 impl Graphs {
@@ -362,7 +540,7 @@ pub struct CudaState {
     pub(crate) tmp: GpuVec<f32>,
     pub(crate) inp: Prepared,
     /// Where a replayed step's logits come back to.
-    pub(crate) out_host: Pinned,
+    pub(crate) out_host: ReadPool,
     pub(crate) graphs: Graphs,
     pub(crate) progs: crate::mega::Programs,
     /// Decode steps kept off the persistent kernel even where `RUSTORCH_CUDA_MEGA=1`.

@@ -27,10 +27,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt: Vec<u32> = (0..np as u32).map(|i| 100 + 7 * i).collect();
     let mut out = model.forward(&Batch::from_prompt(&prompt, 0, 0, false), &mut cache, &rt)?;
     let argmax = |x: &[f32]| (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b });
+    // GD_RANDOM=1: random tokens as `rustorch bench` feeds them, no argmax on the host
+    let random = std::env::var("GD_RANDOM").is_ok_and(|v| v == "1");
+    let mut seed = 42u64;
     let before = model.cuda_graph_stats().unwrap_or_default();
     let t0 = Instant::now();
     for s in 0..n {
-        let t = argmax(out.last(nv).ok_or("logits")?) as u32;
+        let t = if random {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) % nv as u64) as u32
+        } else {
+            argmax(out.last(nv).ok_or("logits")?) as u32
+        };
         let mut b = Batch::new();
         b.push(t, (np + s) as u32, 0, true);
         out = model.forward(&b, &mut cache, &rt)?;
@@ -56,6 +66,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         per(st.dry_ns, before.dry_ns),
         per(st.capture_ns, before.capture_ns),
         per(st.replay_ns, before.replay_ns)
+    );
+    println!(
+        "critical path µs/token: wait for the device {:.1}, logits copy {:.1}, read-back to \
+         next launch {:.1} (its input copy call {:.1}), launch call {:.1} (over {} calls)",
+        per(st.sync_ns, before.sync_ns),
+        per(st.copy_ns, before.copy_ns),
+        (st.gap_ns - before.gap_ns) as f64 / 1e3 / (st.gaps - before.gaps).max(1) as f64,
+        per(st.upload_ns, before.upload_ns),
+        (st.launch_ns - before.launch_ns) as f64 / 1e3 / (st.gaps - before.gaps).max(1) as f64,
+        st.gaps - before.gaps
     );
     // with kernels built with RUSTORCH_CUDA_DEFS=RT_STAMP and RUSTORCH_STAMP_OUT=FILE: the
     // stamps of 4 more steps, one line per grid (start µs from the first, µs to the next

@@ -15,4 +15,4 @@ pub mod tools;
 
 pub use batch::{Batch, SeqId};
 pub use kv_cache::{KvCache, KvCacheError};
-pub use model::{Arch, ForwardOutput, HParams, Model, ModelError, Placement, Runtime};
+pub use model::{Arch, ForwardOutput, HParams, Logits, Model, ModelError, Placement, Runtime};

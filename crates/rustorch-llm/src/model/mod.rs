@@ -606,11 +606,52 @@ pub struct LayerStat {
     pub max_abs: f32,
 }
 
+/// A forward call's logits: computed on the host, or read back from the GPU into
+/// page-locked memory that the backend hands out instead of copying
+/// ([`rustorch_cuda::HostValues`]; llama.cpp likewise returns its output buffer). Reads as
+/// a `[f32]`.
+#[derive(Debug, Clone)]
+pub enum Logits {
+    Host(Vec<f32>),
+    Device(rustorch_cuda::HostValues),
+}
+
+impl Default for Logits {
+    fn default() -> Self {
+        Logits::Host(Vec::new())
+    }
+}
+
+impl std::ops::Deref for Logits {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Logits::Host(v) => v,
+            Logits::Device(v) => v,
+        }
+    }
+}
+
+impl From<Vec<f32>> for Logits {
+    fn from(v: Vec<f32>) -> Self {
+        Logits::Host(v)
+    }
+}
+
+impl From<Logits> for Vec<f32> {
+    fn from(l: Logits) -> Vec<f32> {
+        match l {
+            Logits::Host(v) => v,
+            Logits::Device(v) => v.into(),
+        }
+    }
+}
+
 /// What a forward call returns.
 #[derive(Debug, Clone, Default)]
 pub struct ForwardOutput {
     /// `n_outputs × n_vocab` logits, in batch order of the tokens that asked for them.
-    pub logits: Vec<f32>,
+    pub logits: Logits,
     /// Batch index of each row of `logits`.
     pub rows: Vec<usize>,
     /// Filled when the runtime's `dump_layers` is set.
@@ -1093,7 +1134,7 @@ impl Model {
                     })
                 })?;
                 if let Some(l) = logits {
-                    out.logits = l;
+                    out.logits = Logits::Device(l);
                 }
                 Ok(out)
             }

@@ -114,7 +114,7 @@ impl Io<'_> {
             be.read(&w.gate).into_owned()
         };
         Ok(ForwardOutput {
-            logits,
+            logits: logits.into(),
             rows: self.out_rows,
             layer_stats: self.stats,
         })
