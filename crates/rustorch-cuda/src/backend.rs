@@ -288,6 +288,8 @@ impl<'a> Cuda<'a> {
             .collect();
         let dev = self.dev;
         let t0 = std::time::Instant::now();
+        let in_graph =
+            step::inputs_in_graph() && (self.st().mega_off || !crate::mega::mega_enabled());
         let r = self
             .st()
             .inp
@@ -300,6 +302,7 @@ impl<'a> Cuda<'a> {
                 &new_slots,
                 out_rows,
                 &seqs,
+                in_graph,
             )
             .map_err(be_err);
         let st = self.st();
@@ -310,6 +313,19 @@ impl<'a> Cuda<'a> {
             .and_then(|s| s.as_any().downcast_ref::<CudaKvStore>())
             .map_or((0, 0), |s| (s.layer_k(0), s.layer_v(0)));
         r
+    }
+
+    /// The call's inputs from page-locked host memory into device memory, by a kernel (see
+    /// [`step::Prepared::copy_in`]): the first launch of every run of the call, so a captured
+    /// step's graph holds it and a replay needs no copy call of its own.
+    fn copy_inputs(&mut self) {
+        let dev = self.dev;
+        let inp = &self.st().inp;
+        if !inp.valid || inp.copy_in == 0 {
+            return;
+        }
+        let r = dev.copy_words(inp.buf.ptr(), inp.host_words(), inp.copy_in);
+        self.keep(r);
     }
 
     /// Runs one call: `f` is the architecture's forward pass on this backend. With `graph`
@@ -335,6 +351,7 @@ impl<'a> Cuda<'a> {
         self.reset_call();
         let allocs = dev.alloc_count();
         dev.set_launch_mode(LaunchMode::DryRun);
+        self.copy_inputs();
         let dry = f(self);
         self.touch();
         let (sig, launches) = dev.launch_signature();
@@ -403,6 +420,7 @@ impl<'a> Cuda<'a> {
         self.reset_call();
         let cap = step::capture(dev, || {
             dev.set_launch_mode(LaunchMode::Record);
+            self.copy_inputs();
             let r = f(self);
             self.touch();
             let s = dev.launch_signature();
@@ -497,6 +515,7 @@ impl<'a> Cuda<'a> {
         g.stats.eager += 1;
         // (no early launch after a call run op by op: whatever it changed is unchecked)
         g.last = None;
+        self.copy_inputs();
         let out = f(self)?;
         self.finish()?;
         Ok((out, None))

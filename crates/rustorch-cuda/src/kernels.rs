@@ -1638,6 +1638,13 @@ impl CudaDevice {
         self.launch_1d("copy_f32", y.len(), &[&xp, &yp, &n])
     }
 
+    /// `n` 32-bit words from `src` to `dst` (device addresses; `src` may be page-locked
+    /// host memory, read over the bus).
+    pub(crate) fn copy_words(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        let nn = n as i64;
+        self.launch_1d("copy_f32", n, &[&dst, &src, &nn])
+    }
+
     /// `x += y`.
     pub fn add(&self, x: &mut GpuVec<f32>, y: &GpuVec<f32>) -> Result<()> {
         check_len("add", y.len(), x.len())?;

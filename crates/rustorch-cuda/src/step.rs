@@ -204,6 +204,14 @@ impl From<HostValues> for Vec<f32> {
     }
 }
 
+/// Whether a call's inputs reach the device through its first kernel
+/// ([`Prepared::copy_in`]) rather than a copy call before it (`RUSTORCH_CUDA_INPUT_COPY=1`,
+/// timing only).
+pub(crate) fn inputs_in_graph() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_INPUT_COPY").map_or(true, |v| v != "1"))
+}
+
 /// Timing only (`RUSTORCH_CUDA_READ_COPY=1`): every read-back copied into a new vector,
 /// as before [`HostValues`] views.
 fn read_copies() -> bool {
@@ -297,6 +305,9 @@ pub(crate) struct Prepared {
     pub out_rows: Vec<u32>,
     /// Host time of the last upload's copy call, in nanoseconds.
     pub copy_ns: u64,
+    /// Words the call's first kernel copies from `host` into `buf` (0: copied by the
+    /// upload itself).
+    pub copy_in: usize,
     /// Word offsets in `buf`.
     pub tok_off: usize,
     pub pos_off: usize,
@@ -316,6 +327,12 @@ impl Prepared {
         self.buf.ptr() + (off * 4) as u64
     }
 
+    /// The page-locked words the call's first kernel copies (see `copy_in`); with unified
+    /// addressing the device reads them at their host address.
+    pub fn host_words(&self) -> u64 {
+        self.host.ptr as u64
+    }
+
     /// Packs and uploads one call's inputs. `seqs`: each sequence of the batch with its
     /// cells' slots and positions.
     #[allow(clippy::too_many_arguments)]
@@ -329,6 +346,7 @@ impl Prepared {
         new_slots: &[u32],
         out_rows: &[usize],
         seqs: &[(u32, &[u32], &[u32])],
+        in_graph: bool,
     ) -> Result<()> {
         self.valid = false;
         let n = tokens.len();
@@ -346,7 +364,8 @@ impl Prepared {
             self.buf.resize(dev, cap)?;
         }
         self.buf.resize(dev, total)?;
-        self.host.reserve(dev, total)?;
+        // (the whole capacity may be copied: see `in_graph`)
+        self.host.reserve(dev, self.buf.capacity())?;
         let base = self.buf.ptr();
         let w = self.host.words(total);
         w[..n].copy_from_slice(tokens);
@@ -381,19 +400,27 @@ impl Prepared {
                 w[dw + 2 * j + 1] = (*v >> 32) as u32;
             }
         }
-        // SAFETY: `total` words of pinned host memory into the buffer sized above; the
-        // host words are not touched again before the call ends (it waits for the stream).
         let t0 = std::time::Instant::now();
-        unsafe {
+        self.copy_in = 0;
+        if in_graph {
+            // copied by the call's first kernel (Cuda::copy_inputs): in a replayed step, a
+            // node of its graph, so no copy call here
+            self.copy_in = self.buf.capacity();
+        } else {
             dev.check_copy_allowed()?;
             dev.context().bind_to_thread()?;
-            sys::cuMemcpyHtoDAsync_v2(
-                base,
-                self.host.ptr.cast::<c_void>(),
-                total * 4,
-                dev.stream().cu_stream(),
-            )
-            .result()?;
+            // SAFETY: `total` words of pinned host memory into the buffer sized above; the
+            // host words are not touched again before the call ends (it waits for the
+            // stream).
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    base,
+                    self.host.ptr.cast::<c_void>(),
+                    total * 4,
+                    dev.stream().cu_stream(),
+                )
+                .result()?;
+            }
         }
         self.copy_ns = t0.elapsed().as_nanos() as u64;
         self.tokens.clear();
