@@ -450,6 +450,20 @@ impl CudaDevice {
         (r.hash, r.launches)
     }
 
+    /// How many blocks of kernel `name` (`threads` threads, `smem` bytes of dynamic shared
+    /// memory) one multiprocessor holds at once, by the driver's occupancy calculator (1
+    /// where it cannot say).
+    pub(crate) fn blocks_per_sm(&self, name: &str, threads: u32, smem: usize) -> u32 {
+        self.funcs
+            .get(name)
+            .and_then(|f| {
+                f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
+                    .ok()
+            })
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// An error for host copies while launches are recorded (a graph holds kernels only).
     pub(crate) fn check_copy_allowed(&self) -> Result<()> {
         match self.launch_mode() {

@@ -880,8 +880,10 @@ impl CudaDevice {
                     {
                         // many rows (the output matrix): warps walking row pairs, each
                         // pair's bytes copied into shared memory (mmvd_q6_k_p2), as many
-                        // blocks as fit at once (five a multiprocessor, shared memory)
-                        let nb = blocks(rows, 8).min(5 * self.info.multiprocessors as u32);
+                        // blocks as fit at once (the occupancy calculator's count: five a
+                        // multiprocessor on sm_90, by its 44.7 KB of shared memory)
+                        let per_sm = self.blocks_per_sm("mmvd_q6_k_p2", 128, 0);
+                        let nb = blocks(rows, 8).min(per_sm * self.info.multiprocessors as u32);
                         self.launch(
                             "mmvd_q6_k_p2",
                             (nb, n_tok as u32, 1),
