@@ -729,6 +729,9 @@ impl<'a> Cuda<'a> {
         // SAFETY: the buffer was read by the call (it is a live workspace buffer).
         let r = unsafe { self.st().out_host.read(dev, ptr, len, &mut synced) };
         let t1 = std::time::Instant::now();
+        if r.is_ok() {
+            self.st().inp.in_flight = false;
+        }
         let g = &mut self.st().graphs;
         g.stats.sync_ns += (synced - t0).as_nanos() as u64;
         g.stats.copy_ns += (t1 - synced).as_nanos() as u64;
@@ -740,7 +743,9 @@ impl<'a> Cuda<'a> {
     pub fn finish(&mut self) -> Result<(), BackendError> {
         self.touch();
         self.check()?;
-        self.dev.synchronize().map_err(be_err)
+        self.dev.synchronize().map_err(be_err)?;
+        self.st().inp.in_flight = false;
+        Ok(())
     }
 
     fn keep(&mut self, r: Result<(), CudaError>) {

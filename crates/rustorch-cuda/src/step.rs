@@ -308,6 +308,9 @@ pub(crate) struct Prepared {
     /// Words the call's first kernel copies from `host` into `buf` (0: copied by the
     /// upload itself).
     pub copy_in: usize,
+    /// The device may still read `host` (an upload since the last wait for the stream; a
+    /// call that failed before its wait leaves it set, and the next upload waits first).
+    pub in_flight: bool,
     /// Word offsets in `buf`.
     pub tok_off: usize,
     pub pos_off: usize,
@@ -349,6 +352,10 @@ impl Prepared {
         in_graph: bool,
     ) -> Result<()> {
         self.valid = false;
+        if self.in_flight {
+            dev.stream().synchronize()?;
+            self.in_flight = false;
+        }
         let n = tokens.len();
         let n_out = out_rows.len();
         self.tok_off = 0;
@@ -434,6 +441,7 @@ impl Prepared {
         self.out_rows.clear();
         self.out_rows.extend(out_rows.iter().map(|&r| r as u32));
         self.valid = true;
+        self.in_flight = true;
         Ok(())
     }
 }
