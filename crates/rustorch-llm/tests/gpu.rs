@@ -368,6 +368,43 @@ fn early_launch_equals_checked_replay() {
     }
 }
 
+/// Logits read back from the GPU are views of page-locked buffers that the backend does not
+/// reuse while a view lives: outputs held across later steps (more of them than the pool
+/// keeps, so the last ones are copies) keep the values they had when returned.
+#[test]
+fn held_logits_stay_put() {
+    let prompts = fixture_prompts();
+    for path in gpu_models() {
+        let Some((_, gpu, tok)) = open(&path) else {
+            continue;
+        };
+        let rt = Runtime::new(2);
+        let nv = gpu.hparams().n_vocab;
+        let prompt = encode_prompts(&tok, &prompts[..1]).remove(0);
+        let mut cache = gpu.new_cache(prompt.len() + 16);
+        gpu.forward(&Batch::from_prompt(&prompt, 0, 0, false), &mut cache, &rt)
+            .expect("prompt");
+        let mut held = Vec::new();
+        for s in 0..8 {
+            let mut b = Batch::new();
+            b.push((100 + 7 * s) % nv as u32, prompt.len() as u32 + s, 0, true);
+            let out = gpu.forward(&b, &mut cache, &rt).expect("decode");
+            let copy = out.last(nv).expect("logits").to_vec();
+            held.push((out, copy));
+        }
+        for (s, (out, copy)) in held.iter().enumerate() {
+            assert_eq!(
+                out.last(nv).expect("logits"),
+                &copy[..],
+                "{}: step {s}'s held logits changed",
+                path.display()
+            );
+        }
+        // (the steps' logits differ, so a reused buffer would show)
+        assert_ne!(held[0].1, held[7].1);
+    }
+}
+
 /// `f(name, path, cpu, gpu, prompts)` for SmolLM2 (the parity fixture's prompts) and each model of
 /// `RUSTORCH_GPU_MODELS` (the same prompts' text re-tokenized), skipping absent ones.
 fn each_model(mut f: impl FnMut(&str, &std::path::Path, &Model, &Model, &[Vec<u32>])) {
