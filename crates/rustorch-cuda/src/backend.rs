@@ -288,8 +288,7 @@ impl<'a> Cuda<'a> {
             .collect();
         let dev = self.dev;
         let t0 = std::time::Instant::now();
-        let in_graph =
-            step::inputs_in_graph() && (self.st().mega_off || !crate::mega::mega_enabled());
+        let in_graph = step::inputs_in_graph() && !self.mega();
         let r = self
             .st()
             .inp
@@ -307,12 +306,20 @@ impl<'a> Cuda<'a> {
             .map_err(be_err);
         let st = self.st();
         st.graphs.stats.prepare_ns += t0.elapsed().as_nanos() as u64;
-        st.graphs.stats.upload_ns += st.inp.copy_ns;
+        if let Ok(ns) = r {
+            st.graphs.stats.upload_ns += ns;
+        }
         st.inp.cache = cache
             .store()
             .and_then(|s| s.as_any().downcast_ref::<CudaKvStore>())
             .map_or((0, 0), |s| (s.layer_k(0), s.layer_v(0)));
-        r
+        r.map(|_| ())
+    }
+
+    /// Whether decode steps run as the persistent kernel (`RUSTORCH_CUDA_MEGA=1`, not turned
+    /// off for this model).
+    fn mega(&mut self) -> bool {
+        !self.st().mega_off && crate::mega::mega_enabled()
     }
 
     /// The call's inputs from page-locked host memory into device memory, by a kernel (see
@@ -343,7 +350,7 @@ impl<'a> Cuda<'a> {
             return self.eager(&mut f);
         }
         let dev = self.dev;
-        let mega = !self.st().mega_off && crate::mega::mega_enabled();
+        let mega = self.mega();
         // the last call's graph, launched before the dry run (see crate::step)
         let early = if mega { None } else { self.launch_early()? };
         // dry run: the signature of what the call would launch

@@ -89,12 +89,7 @@ impl Pinned {
         synced: &mut std::time::Instant,
     ) -> Result<Vec<f32>> {
         self.reserve(dev, n)?;
-        let w = self.words(n);
-        if n > 0 {
-            cudarc::driver::result::memcpy_dtoh_async(w, src, dev.stream().cu_stream())?;
-        }
-        dev.stream().synchronize()?;
-        *synced = std::time::Instant::now();
+        copy_back(dev, self.words(n), src, synced)?;
         Ok(self.words(n).iter().map(|&b| f32::from_bits(b)).collect())
     }
 
@@ -124,6 +119,25 @@ impl Drop for Pinned {
     fn drop(&mut self) {
         self.free();
     }
+}
+
+/// Copies `dst.len()` words from device address `src` into page-locked `dst` and waits for
+/// the stream; `synced` is set to when the wait ended.
+///
+/// # Safety
+/// `src` must be live device memory of at least `dst.len()` words.
+unsafe fn copy_back(
+    dev: &CudaDevice,
+    dst: &mut [u32],
+    src: u64,
+    synced: &mut std::time::Instant,
+) -> Result<()> {
+    if !dst.is_empty() {
+        cudarc::driver::result::memcpy_dtoh_async(dst, src, dev.stream().cu_stream())?;
+    }
+    dev.stream().synchronize()?;
+    *synced = std::time::Instant::now();
+    Ok(())
 }
 
 /// Page-locked host memory for f32 values read back from the device, shared with the
@@ -280,13 +294,9 @@ impl ReadPool {
                 "read-back buffer still shared".into(),
             ));
         };
-        if n > 0 {
-            // SAFETY: `n` values of this buffer, which no view shares (get_mut).
-            let dst = std::slice::from_raw_parts_mut(buf.ptr.cast::<u32>(), n);
-            cudarc::driver::result::memcpy_dtoh_async(dst, src, dev.stream().cu_stream())?;
-        }
-        dev.stream().synchronize()?;
-        *synced = std::time::Instant::now();
+        // SAFETY: `n` values of this buffer, which no view shares (get_mut).
+        let dst = std::slice::from_raw_parts_mut(buf.ptr.cast::<u32>(), n);
+        copy_back(dev, dst, src, synced)?;
         Ok(HostValues(HostRepr::Pinned(self.bufs[at].clone(), n)))
     }
 }
@@ -303,8 +313,6 @@ pub(crate) struct Prepared {
     pub seq_ids: Vec<u32>,
     pub cells: Vec<usize>,
     pub out_rows: Vec<u32>,
-    /// Host time of the last upload's copy call, in nanoseconds.
-    pub copy_ns: u64,
     /// Words the call's first kernel copies from `host` into `buf` (0: copied by the
     /// upload itself).
     pub copy_in: usize,
@@ -337,7 +345,8 @@ impl Prepared {
     }
 
     /// Packs and uploads one call's inputs. `seqs`: each sequence of the batch with its
-    /// cells' slots and positions.
+    /// cells' slots and positions. Returns the host time of its copy call in nanoseconds (0
+    /// with `in_graph`: the call's first kernel copies them).
     #[allow(clippy::too_many_arguments)]
     pub fn upload(
         &mut self,
@@ -350,7 +359,7 @@ impl Prepared {
         out_rows: &[usize],
         seqs: &[(u32, &[u32], &[u32])],
         in_graph: bool,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.valid = false;
         if self.in_flight {
             dev.stream().synchronize()?;
@@ -429,7 +438,7 @@ impl Prepared {
                 .result()?;
             }
         }
-        self.copy_ns = t0.elapsed().as_nanos() as u64;
+        let copy_ns = t0.elapsed().as_nanos() as u64;
         self.tokens.clear();
         self.tokens.extend_from_slice(tokens);
         self.positions.clear();
@@ -442,7 +451,7 @@ impl Prepared {
         self.out_rows.extend(out_rows.iter().map(|&r| r as u32));
         self.valid = true;
         self.in_flight = true;
-        Ok(())
+        Ok(copy_ns)
     }
 }
 
