@@ -830,8 +830,10 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
 #ifndef MMVD_C_PF
 #define MMVD_C_PF 1
 #endif
+// (Session 28: with the quantization in the gate/up launch (mmvd_*_gq) there is no short
+// launch for the prefetch to slow, and Q8_0 prefetches again: see docs/performance.md.)
 #ifndef MMVD_C_PF8
-#define MMVD_C_PF8 0
+#define MMVD_C_PF8 1
 #endif
 template <class F, bool MIN_>
 struct CoopLegacy {
@@ -1071,6 +1073,47 @@ __device__ __forceinline__ void mmvd_coop_kernel(const MmvJob &j, const i8 *__re
         PDL_ENTRY_INSIDE();                                                                   \
         mmvd_legacy2_kernel<F, MIN>(j, aq, ads, n_cols);                                      \
     }
+// One token's gate/up product (`mmvd_*` with glu) and, in the same launch, the quantization
+// of its output that the down product takes (quantize_q8_1's, with `cpu`): blocks 4k..4k + 3
+// store outputs 32k..32k + 31; each block, its stores done, counts itself in cnt[k], and
+// the fourth to do so quantizes those 32 into (oq, ods). Rows a multiple of 32; every
+// launch adds 4 to each count (they start at 0). (No quantize_q8_1 launch between the two
+// products: docs/performance.md, session 28.)
+template <class F, bool MIN>
+__device__ __forceinline__ void mmvd_legacy_gq(const MmvJob &j, const i8 *aq, const float2 *ads,
+                                               int n_cols, i8 *__restrict__ oq,
+                                               float2 *__restrict__ ods, u32 *cnt, int cpu) {
+    mmvd_legacy_kernel<F, MIN>(j, aq, ads, n_cols);
+    __shared__ u32 last;
+#ifdef RT_GQ_FENCE_ALL
+    __threadfence();  // (timing only: every thread fences its own stores)
+#endif
+    __syncthreads();  // (the block's stores before thread 0's fence: cooperative groups'
+                      // grid barrier pattern)
+    const u32 k = blockIdx.x >> 2;
+    if (threadIdx.x == 0) {
+        __threadfence();  // (the block's stores, before the count)
+        const bool l = (atomicAdd(cnt + k, 1u) & 3u) == 3u;
+        if (l) __threadfence();  // (the other blocks' stores, before the loads below)
+        last = l;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    const size_t i = (size_t)k * 32 + threadIdx.x;
+    quantize_lane(__ldcg(j.out[0] + i), oq, i, &ods[k], cpu);
+}
+#define MMVD_GQ(NAME, F, MIN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        mmvd_##NAME##_gq(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, i8 *oq,       \
+                         float2 *ods, u32 *cnt, int cpu) {                                    \
+        PDL_ENTRY_INSIDE();                                                                   \
+        mmvd_legacy_gq<F, MIN>(j, aq, ads, n_cols, oq, ods, cnt, cpu);                        \
+    }
+MMVD_GQ(q4_0, FQ4_0, false)
+MMVD_GQ(q4_1, FQ4_1, true)
+MMVD_GQ(q5_0, FQ5_0, false)
+MMVD_GQ(q5_1, FQ5_1, true)
+MMVD_GQ(q8_0, FQ8_0, false)
 MMVD_LEGACY2(q4_0, FQ4_0, false)
 MMVD_LEGACY2(q4_1, FQ4_1, true)
 MMVD_LEGACY2(q5_0, FQ5_0, false)

@@ -197,6 +197,7 @@ pub fn kernel_names() -> Vec<String> {
             } else {
                 v.push(format!("mmvd_{s}"));
                 v.push(format!("mmvd_{s}_r2"));
+                v.push(format!("mmvd_{s}_gq"));
             }
         }
     }
@@ -234,6 +235,8 @@ pub struct Scratch {
     /// input's quantization is still being read from `aq`/`ads`.
     gq: GpuVec<i8>,
     gds: GpuVec<f32>,
+    /// The exact gate/up product's counts per block of 32 outputs (`mmvd_*_gq`).
+    gcnt: GpuVec<u32>,
     /// The buffer (address, length, row width) whose quantization `aq`/`ads` hold (`gq`/`gds`
     /// with `alt`), when a fused op left it there for the next product
     /// ([`CudaDevice::add_rms_norm`]).
@@ -556,6 +559,13 @@ fn exact_w2p_min() -> usize {
 fn exact_r2() -> usize {
     static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVD_R2", |v| v <= 2, 1))
+}
+
+/// One token's exact gate/up product quantizes its output for the down product in the same
+/// launch (`mmvd_*_gq`), unless `RUSTORCH_CUDA_EXACT_GQ=0` (a `quantize_q8_1` launch).
+fn exact_gq() -> bool {
+    static D: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *D.get_or_init(|| std::env::var("RUSTORCH_CUDA_EXACT_GQ").map_or(true, |v| v != "0"))
 }
 
 /// Exact products of one to three tokens by the `mmvd_*` kernels (every lane of the
@@ -1288,8 +1298,22 @@ impl CudaDevice {
         }
         if self.exact() {
             // SiLU with both matrices' exact products (GELU: the default steps)
-            return (!gelu && wg.ty == wu.ty && exact_ok(wg) && exact_ok(wu))
-                .then(|| self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
+            if gelu || !exact_ok(wg) || !exact_ok(wu) {
+                return None;
+            }
+            let ng = n_cols / 32;
+            if n_tok == 1
+                && exact_gq()
+                && exact_kind(wg.ty) == Some(ExactActs::Q8)
+                && arith().q8_cpu
+                && exact_direct()
+                && ng <= exact_coop_min()
+                && exact_r2() != 2
+                && wg.n_rows.is_multiple_of(32)
+            {
+                return Some(self.glu_exact_quantized(wg, wu, x, gate, s));
+            }
+            return Some(self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
             return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
@@ -1304,6 +1328,53 @@ impl CudaDevice {
                 s,
             )
         }))
+    }
+
+    /// One token, exact mode: [`CudaDevice::mmv_exact`]'s gate/up product (`mmvd_*`, four
+    /// rows per warp) in a launch that also quantizes `gate` as `quantize_q8_1` does for the
+    /// next product (`mmvd_*_gq`), into `s`'s second buffers.
+    fn glu_exact_quantized(
+        &self,
+        wg: &CudaMatrix,
+        wu: &CudaMatrix,
+        x: &GpuVec<f32>,
+        gate: &mut GpuVec<f32>,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let (n_rows, n_cols) = (wg.n_rows, wg.n_cols);
+        let st = stem(wg.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
+        self.quantize_acts(x, 1, n_cols, s)?;
+        gate.resize(self, n_rows)?;
+        s.gq.resize(self, n_rows)?;
+        s.gds.resize(self, n_rows / 32 * 2)?;
+        if s.gcnt.len() < n_rows / 32 {
+            // (a new buffer: the counts start at 0; each launch adds 4 to each)
+            s.gcnt = self.alloc::<u32>(n_rows / 32)?;
+            s.gcnt.zero(self)?;
+        }
+        let mut job = MmvJob {
+            n: 2,
+            glu: 1,
+            ..MmvJob::default()
+        };
+        job.w[0] = wg.data.ptr();
+        job.w[1] = wu.data.ptr();
+        job.out[0] = gate.ptr();
+        job.rows = [n_rows as i32, n_rows as i32, 0];
+        let (aq, ads) = s.acts();
+        let (gq, gds, cnt) = (s.gq.ptr(), s.gds.ptr(), s.gcnt.ptr());
+        let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
+        // (set before the launch: the timing probe may skip it)
+        s.claim_acts((gate.ptr(), n_rows, n_rows), true);
+        if probe_skip(&[wg, wu], true) {
+            return Ok(());
+        }
+        self.launch(
+            &format!("mmvd_{st}_gq"),
+            (blocks(2 * n_rows, 16), 1, 1),
+            128,
+            &[&job, &aq, &ads, &nc, &gq, &gds, &cnt, &cpu],
+        )
     }
 
     /// One token: [`CudaDevice::glu_fused`]'s product in one launch that also quantizes
