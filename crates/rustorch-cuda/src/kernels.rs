@@ -1311,12 +1311,12 @@ impl CudaDevice {
                 && exact_r2() != 2
                 && wg.n_rows.is_multiple_of(32)
             {
-                return Some(self.glu_exact_quantized(wg, wu, x, gate, s));
+                return Some(self.glu_quantized(false, wg, wu, x, gate, s, true));
             }
             return Some(self.mmv_exact(&[wg, wu], x, n_tok, &mut [gate], true, s));
         }
         if n_tok == 1 && wg.n_rows.is_multiple_of(32) && arith().decode_kernels && !arith().mega {
-            return Some(self.glu_quantized(gelu, wg, wu, x, gate, s));
+            return Some(self.glu_quantized(gelu, wg, wu, x, gate, s, false));
         }
         let mut spare = GpuVec::default();
         Some(self.quantize_acts(x, n_tok, n_cols, s).and_then(|_| {
@@ -1330,16 +1330,20 @@ impl CudaDevice {
         }))
     }
 
-    /// One token, exact mode: [`CudaDevice::mmv_exact`]'s gate/up product (`mmvd_*`, four
-    /// rows per warp) in a launch that also quantizes `gate` as `quantize_q8_1` does for the
-    /// next product (`mmvd_*_gq`), into `s`'s second buffers.
-    fn glu_exact_quantized(
+    /// One token: [`CudaDevice::glu_fused`]'s product in one launch that also quantizes
+    /// `gate` for the next product (into `s`'s second buffers: the first still hold `x`'s).
+    /// With `exact` (SiLU only): [`CudaDevice::mmv_exact`]'s product (`mmvd_*`, four rows
+    /// per warp) quantizing as `quantize_q8_1` does (`mmvd_*_gq`).
+    #[allow(clippy::too_many_arguments)]
+    fn glu_quantized(
         &self,
+        gelu: bool,
         wg: &CudaMatrix,
         wu: &CudaMatrix,
         x: &GpuVec<f32>,
         gate: &mut GpuVec<f32>,
         s: &mut Scratch,
+        exact: bool,
     ) -> Result<()> {
         let (n_rows, n_cols) = (wg.n_rows, wg.n_cols);
         let st = stem(wg.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
@@ -1347,14 +1351,14 @@ impl CudaDevice {
         gate.resize(self, n_rows)?;
         s.gq.resize(self, n_rows)?;
         s.gds.resize(self, n_rows / 32 * 2)?;
-        if s.gcnt.len() < n_rows / 32 {
+        if exact && s.gcnt.len() < n_rows / 32 {
             // (a new buffer: the counts start at 0; each launch adds 4 to each)
             s.gcnt = self.alloc::<u32>(n_rows / 32)?;
             s.gcnt.zero(self)?;
         }
         let mut job = MmvJob {
             n: 2,
-            glu: 1,
+            glu: 1 + i32::from(gelu),
             ..MmvJob::default()
         };
         job.w[0] = wg.data.ptr();
@@ -1369,47 +1373,13 @@ impl CudaDevice {
         if probe_skip(&[wg, wu], true) {
             return Ok(());
         }
-        self.launch(
-            &format!("mmvd_{st}_gq"),
-            (blocks(2 * n_rows, 16), 1, 1),
-            128,
-            &[&job, &aq, &ads, &nc, &gq, &gds, &cnt, &cpu],
-        )
-    }
-
-    /// One token: [`CudaDevice::glu_fused`]'s product in one launch that also quantizes
-    /// `gate` for the next product (into `s`'s second buffers: the first still hold `x`'s).
-    fn glu_quantized(
-        &self,
-        gelu: bool,
-        wg: &CudaMatrix,
-        wu: &CudaMatrix,
-        x: &GpuVec<f32>,
-        gate: &mut GpuVec<f32>,
-        s: &mut Scratch,
-    ) -> Result<()> {
-        let (n_rows, n_cols) = (wg.n_rows, wg.n_cols);
-        let st = stem(wg.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
-        self.quantize_acts(x, 1, n_cols, s)?;
-        gate.resize(self, n_rows)?;
-        s.gq.resize(self, n_rows)?;
-        s.gds.resize(self, n_rows / 32 * 2)?;
-        let mut job = MmvJob {
-            n: 2,
-            glu: 1 + i32::from(gelu),
-            ..MmvJob::default()
-        };
-        job.w[0] = wg.data.ptr();
-        job.w[1] = wu.data.ptr();
-        job.out[0] = gate.ptr();
-        job.rows = [n_rows as i32, n_rows as i32, 0];
-        let (aq, ads) = s.acts();
-        let (gq, gds) = (s.gq.ptr(), s.gds.ptr());
-        let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
-        // (set before the launch: the timing probe may skip it)
-        s.claim_acts((gate.ptr(), n_rows, n_rows), true);
-        if probe_skip(&[wg, wu], true) {
-            return Ok(());
+        if exact {
+            return self.launch(
+                &format!("mmvd_{st}_gq"),
+                (blocks(2 * n_rows, 16), 1, 1),
+                128,
+                &[&job, &aq, &ads, &nc, &gq, &gds, &cnt, &cpu],
+            );
         }
         self.launch(
             &format!("mmvq1g_{st}"),
