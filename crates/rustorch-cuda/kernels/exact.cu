@@ -830,14 +830,16 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
 #ifndef MMVD_C_PF
 #define MMVD_C_PF 1
 #endif
-// (Session 28: with the quantization in the gate/up launch (mmvd_*_gq) there is no short
-// launch for the prefetch to slow, and Q8_0 prefetches again: see docs/performance.md.)
+// Session 28: where the gate/up launch made the down product's activations (mmvd_*_gq), no
+// short launch runs before it for the prefetch to slow, and Q8_0's prefetching kernel
+// `mmvd_q8_0_cp` is faster there (PF8 set: CoopLegacy's third parameter); elsewhere (several
+// tokens: a quantization launch between) the host keeps `mmvd_q8_0_c`.
 #ifndef MMVD_C_PF8
-#define MMVD_C_PF8 1
+#define MMVD_C_PF8 0
 #endif
-template <class F, bool MIN_>
+template <class F, bool MIN_, bool PF8 = MMVD_C_PF8>
 struct CoopLegacy {
-    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = F::BYTES > 24 ? MMVD_C_PF8 : MMVD_C_PF };
+    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = F::BYTES > 24 ? PF8 : MMVD_C_PF };
     typedef F Fmt;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols >> 5) * F::BYTES;
@@ -1124,6 +1126,11 @@ MMVD_LEGACY(q4_1, FQ4_1, true)
 MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)
 MMVD_LEGACY(q8_0, FQ8_0, false)
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q8_0_cp(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {
+    PDL_ENTRY_INSIDE();
+    mmvd_coop_kernel<CoopLegacy<FQ8_0, false, true>>(j, aq, ads, n_cols, cap);
+}
 
 #define MMVD_COOP(NAME, P, BOUNDS)                                                           \
     extern "C" __global__ void BOUNDS                                                       \

@@ -153,6 +153,7 @@ pub fn kernel_names() -> Vec<String> {
         "mmvd_q4k6k_w",
         "mmvd_q4k6k_w2",
         "mmvd_q6_k_p2",
+        "mmvd_q8_0_cp",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -237,6 +238,9 @@ pub struct Scratch {
     gds: GpuVec<f32>,
     /// The exact gate/up product's counts per block of 32 outputs (`mmvd_*_gq`).
     gcnt: GpuVec<u32>,
+    /// The quantized activations were made inside the exact gate/up launch (`mmvd_*_gq`):
+    /// no quantization launch runs between it and the next product.
+    gq_acts: bool,
     /// The buffer (address, length, row width) whose quantization `aq`/`ads` hold (`gq`/`gds`
     /// with `alt`), when a fused op left it there for the next product
     /// ([`CudaDevice::add_rms_norm`]).
@@ -314,6 +318,7 @@ impl Scratch {
     /// `aq`/`ads`) are those of the buffer `of` (address, length, row width), and no Q8_K
     /// quantization of it yet.
     fn claim_acts(&mut self, of: (u64, usize, usize), alt: bool) {
+        self.gq_acts = false;
         self.acts_of = Some(of);
         self.eacts_of = None;
         self.q8_ok = true;
@@ -683,6 +688,7 @@ impl CudaDevice {
         }
         s.acts_of = None;
         s.alt = false;
+        s.gq_acts = false;
         let ng = n_cols / 32;
         s.aq.resize(self, n_tok * n_cols)?;
         s.ads.resize(self, n_tok * ng * 2)?;
@@ -930,8 +936,14 @@ impl CudaDevice {
                     };
                     let smem = ws[i..k].iter().map(|w| smem_of(w.ty)).max().unwrap_or(0);
                     let capi = cap as i32;
+                    // Q8_0's rows asked of L2 before the wait (`_cp`) only where no short
+                    // launch (a quantization) runs then: it slowed that launch more than it
+                    // helped (kernels/exact.cu, MMVD_C_PF8)
+                    let pf8 = ty == GgmlType::Q8_0 && kind == ExactActs::Q8 && s.gq_acts;
                     let name = if q6k != 0 {
                         "mmvd_q4k6k_c".to_string()
+                    } else if pf8 {
+                        format!("mmvd_{st}_cp")
                     } else {
                         format!("mmvd_{st}_c")
                     };
@@ -1370,6 +1382,7 @@ impl CudaDevice {
         let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
         // (set before the launch: the timing probe may skip it)
         s.claim_acts((gate.ptr(), n_rows, n_rows), true);
+        s.gq_acts = exact;
         if probe_skip(&[wg, wu], true) {
             return Ok(());
         }
