@@ -1316,6 +1316,7 @@ impl CudaDevice {
             let ng = n_cols / 32;
             if n_tok == 1
                 && exact_gq()
+                && !arith().mega
                 && exact_kind(wg.ty) == Some(ExactActs::Q8)
                 && arith().q8_cpu
                 && exact_direct()
