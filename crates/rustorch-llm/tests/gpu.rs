@@ -441,26 +441,31 @@ fn gpu_matches_cpu() {
     });
 }
 
+/// Whether `path` has a matrix type without an exact GPU product (printed as skipped).
+fn no_exact_product(name: &str, path: &std::path::Path) -> bool {
+    let gguf = GgufFile::open(path).expect("open");
+    let odd = gguf
+        .tensors()
+        .iter()
+        .filter(|t| t.dims.len() == 2)
+        .map(|t| t.ty)
+        .find(|ty| {
+            use rustorch_core::GgmlType::*;
+            !matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q6_K)
+        });
+    if let Some(ty) = odd {
+        eprintln!("SKIPPED: {name}: {ty} matrices have no exact GPU product");
+    }
+    odd.is_some()
+}
+
 /// With `--gpu-exact` (`Model::set_cuda_exact`), every teacher-forced step's logits equal the
 /// CPU's to the bit and every greedy continuation is the CPU's, on models whose matrices all
 /// have exact GPU products (others skip with a line).
 #[test]
 fn gpu_exact_equals_cpu() {
     each_model(|name, path, cpu, gpu, toks| {
-        let gguf = GgufFile::open(path).expect("open");
-        let odd: Vec<String> = gguf
-            .tensors()
-            .iter()
-            .filter(|t| t.dims.len() == 2)
-            .map(|t| t.ty)
-            .filter(|ty| {
-                use rustorch_core::GgmlType::*;
-                !matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q6_K)
-            })
-            .map(|ty| format!("{ty}"))
-            .collect();
-        if let Some(ty) = odd.first() {
-            eprintln!("SKIPPED: {name}: {ty} matrices have no exact GPU product");
+        if no_exact_product(name, path) {
             return;
         }
         gpu.set_cuda_exact(true);
@@ -475,5 +480,58 @@ fn gpu_exact_equals_cpu() {
             r.greedy_equal, r.prompts,
             "{name}: greedy continuations differ"
         );
+    });
+}
+
+/// Exact mode decoding several sequences at once (batches of three, then two tokens: the
+/// products' multi-token kernels, a quantization launch before the down product) equals the
+/// CPU to the bit, teacher-forced on the CPU's greedy tokens.
+#[test]
+fn gpu_exact_batched_equals_cpu() {
+    const SEQS: usize = 3;
+    const BSTEPS: usize = 16;
+    each_model(|name, path, cpu, gpu, toks| {
+        if no_exact_product(name, path) {
+            return;
+        }
+        let rt = Runtime::new(std::thread::available_parallelism().map_or(2, |n| n.get()));
+        let nv = cpu.hparams().n_vocab;
+        let prompts = &toks[..SEQS];
+        let ctx: usize = prompts.iter().map(|p| p.len() + BSTEPS + 1).sum();
+        gpu.set_cuda_exact(true);
+        let (mut cc, mut gc) = (cpu.new_cache(ctx), gpu.new_cache(ctx));
+        let mut next = Vec::new();
+        for (s, p) in prompts.iter().enumerate() {
+            let b = Batch::from_prompt(p, 0, s as u32, false);
+            let c = cpu.forward(&b, &mut cc, &rt).expect("cpu prompt");
+            gpu.forward(&b, &mut gc, &rt).expect("gpu prompt");
+            next.push(argmax(c.last(nv).expect("logits")) as u32);
+        }
+        let (mut rows, mut differ) = (0, 0);
+        for step in 0..BSTEPS {
+            // three sequences, then the first two
+            let n = if step < BSTEPS / 2 { SEQS } else { 2 };
+            let mut b = Batch::new();
+            for (s, p) in prompts.iter().enumerate().take(n) {
+                b.push(next[s], (p.len() + step) as u32, s as u32, true);
+            }
+            let c = cpu.forward(&b, &mut cc, &rt).expect("cpu step");
+            let g = gpu.forward(&b, &mut gc, &rt).expect("gpu step");
+            for (s, t) in next.iter_mut().enumerate().take(n) {
+                let (cl, gl) = (
+                    c.logits_for(s, nv).expect("cpu logits"),
+                    g.logits_for(s, nv).expect("gpu logits"),
+                );
+                rows += 1;
+                differ += usize::from(cl.iter().zip(gl).any(|(x, y)| x.to_bits() != y.to_bits()));
+                *t = argmax(cl) as u32;
+            }
+        }
+        gpu.set_cuda_exact(false);
+        eprintln!(
+            "{name}, --gpu-exact, batches of 3 and 2: {} of {rows} rows' logits equal to the bit",
+            rows - differ
+        );
+        assert_eq!(differ, 0, "{name}: batched rows whose logits differ");
     });
 }
