@@ -238,9 +238,6 @@ pub struct Scratch {
     gds: GpuVec<f32>,
     /// The exact gate/up product's counts per block of 32 outputs (`mmvd_*_gq`).
     gcnt: GpuVec<u32>,
-    /// The quantized activations were made inside the exact gate/up launch (`mmvd_*_gq`):
-    /// no quantization launch runs between it and the next product.
-    gq_acts: bool,
     /// The buffer (address, length, row width) whose quantization `aq`/`ads` hold (`gq`/`gds`
     /// with `alt`), when a fused op left it there for the next product
     /// ([`CudaDevice::add_rms_norm`]).
@@ -318,7 +315,6 @@ impl Scratch {
     /// `aq`/`ads`) are those of the buffer `of` (address, length, row width), and no Q8_K
     /// quantization of it yet.
     fn claim_acts(&mut self, of: (u64, usize, usize), alt: bool) {
-        self.gq_acts = false;
         self.acts_of = Some(of);
         self.eacts_of = None;
         self.q8_ok = true;
@@ -566,6 +562,13 @@ fn exact_r2() -> usize {
     *M.get_or_init(|| env_usize("RUSTORCH_CUDA_MMVD_R2", |v| v <= 2, 1))
 }
 
+/// Whether exact mode's legacy-format product of one to three tokens of rows of `ng` groups
+/// of 32 (at most [`exact_coop_min`]) takes two rows per warp in one pass (`mmvd_*_r2`)
+/// rather than four in passes of 32 (`mmvd_*`); `glu`: a gate/up product.
+fn exact_two_rows(ng: usize, glu: bool) -> bool {
+    ng <= 64 && (exact_r2() == 2 || (exact_r2() == 1 && !glu))
+}
+
 /// One token's exact gate/up product quantizes its output for the down product in the same
 /// launch (`mmvd_*_gq`), unless `RUSTORCH_CUDA_EXACT_GQ=0` (a `quantize_q8_1` launch).
 fn exact_gq() -> bool {
@@ -688,7 +691,6 @@ impl CudaDevice {
         }
         s.acts_of = None;
         s.alt = false;
-        s.gq_acts = false;
         let ng = n_cols / 32;
         s.aq.resize(self, n_tok * n_cols)?;
         s.ads.resize(self, n_tok * ng * 2)?;
@@ -938,8 +940,9 @@ impl CudaDevice {
                     let capi = cap as i32;
                     // Q8_0's rows asked of L2 before the wait (`_cp`) only where no short
                     // launch (a quantization) runs then: it slowed that launch more than it
-                    // helped (kernels/exact.cu, MMVD_C_PF8)
-                    let pf8 = ty == GgmlType::Q8_0 && kind == ExactActs::Q8 && s.gq_acts;
+                    // helped (kernels/exact.cu, MMVD_C_PF8). In exact mode `alt` activations
+                    // come only from the gate/up launch that quantized its own output.
+                    let pf8 = ty == GgmlType::Q8_0 && kind == ExactActs::Q8 && s.alt;
                     let name = if q6k != 0 {
                         "mmvd_q4k6k_c".to_string()
                     } else if pf8 {
@@ -957,7 +960,7 @@ impl CudaDevice {
                 } else {
                     // eight threads per row, two rows (glu: a gate/up pair) per warp in one
                     // pass (mmvd_*_r2), or four (two gate/up pairs) in passes of 32 blocks
-                    let two = ng <= 64 && (exact_r2() == 2 || (exact_r2() == 1 && !glu));
+                    let two = exact_two_rows(ng, glu);
                     self.launch(
                         &format!("mmvd_{st}{}", if two { "_r2" } else { "" }),
                         (blocks(rows, if two { 8 } else { 16 }), n_tok as u32, 1),
@@ -1321,7 +1324,7 @@ impl CudaDevice {
                 && arith().q8_cpu
                 && exact_direct()
                 && ng <= exact_coop_min()
-                && exact_r2() != 2
+                && !exact_two_rows(ng, true)
                 && wg.n_rows.is_multiple_of(32)
             {
                 return Some(self.glu_quantized(false, wg, wu, x, gate, s, true));
@@ -1383,7 +1386,6 @@ impl CudaDevice {
         let (nc, cpu) = (n_cols as i32, i32::from(arith().q8_cpu));
         // (set before the launch: the timing probe may skip it)
         s.claim_acts((gate.ptr(), n_rows, n_rows), true);
-        s.gq_acts = exact;
         if probe_skip(&[wg, wu], true) {
             return Ok(());
         }
