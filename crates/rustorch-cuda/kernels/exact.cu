@@ -236,7 +236,7 @@ __device__ __forceinline__ float mmve_legacy_rows(const u8 *__restrict__ w0,
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     Group g;
-                    F::decode((r ? w1 : w0) + (size_t)b * F::BYTES, 0, g);
+                    decode_group<F>(r ? w1 : w0, b, g);
                     int sv[8];
                     legacy_lane_sums(g, av, sv);
                     const int sl = r * (H + 1) + j;
@@ -380,7 +380,7 @@ template <class F, bool MIN, int G>
 struct MmveLegacy {
     typedef LegacySmem<MIN, G> Smem;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
-        return (size_t)(n_cols >> 5) * F::BYTES;
+        return (size_t)(n_cols / F::QK) * F::BYTES;
     }
     template <int R>
     static __device__ __forceinline__ float rows(const u8 *w0, const u8 *w1, const i8 *aq,
@@ -453,6 +453,7 @@ MMVE_LEGACY(q4_1, FQ4_1, true)
 MMVE_LEGACY(q5_0, FQ5_0, false)
 MMVE_LEGACY(q5_1, FQ5_1, true)
 MMVE_LEGACY(q8_0, FQ8_0, false)
+MMVE_LEGACY(q8_0t, FQ8_0T, false)
 
 // (mode: Q6_K, tiled or not; Q4_K, the tokens below it take the gemm steps)
 template <int G>
@@ -656,7 +657,7 @@ __device__ __forceinline__ float mmvd_legacy(const u8 *const (&wp)[4], const i8 
 #pragma unroll
             for (int rr = 0; rr < 4; rr++) {
                 Group g;
-                F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g);
+                decode_group<F>(wp[rr], b, g);
                 stage_legacy(st, rr, lane, g, av, ds);
             }
         }
@@ -691,7 +692,7 @@ __device__ __forceinline__ float mmvd_legacy2(const u8 *const (&wp)[2], const i8
             group_acts(a, b, av[h]);
             ds[h] = ad[b];
 #pragma unroll
-            for (int rr = 0; rr < 2; rr++) F::decode(wp[rr] + (size_t)b * F::BYTES, 0, g[h][rr]);
+            for (int rr = 0; rr < 2; rr++) decode_group<F>(wp[rr], b, g[h][rr]);
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -777,7 +778,7 @@ __device__ __forceinline__ void mmvd_legacy2_kernel(const MmvJob &j, const i8 *a
     const int nb = n_cols >> 5;
     const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
     Rows2 w;
-    rows2_of<true, true>(j, gw, (size_t)nb * F::BYTES, w);
+    rows2_of<true, true>(j, gw, (size_t)(n_cols / F::QK) * F::BYTES, w);
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const float v = mmvd_legacy2<F, MIN>(w.wp, aq + t * n_cols, ads + t * nb, nb,
@@ -813,7 +814,7 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     __shared__ RSmem<MIN, 4> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
-    mmvd_rows(j, (size_t)nb * F::BYTES, wp, true);
+    mmvd_rows(j, (size_t)(n_cols / F::QK) * F::BYTES, wp, true);
     PDL_ENTRY();
     int m, wi;
     const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);
@@ -856,7 +857,7 @@ struct CoopLegacy {
     enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = F::BYTES > 24 ? PF8 : MMVD_C_PF };
     typedef F Fmt;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
-        return (size_t)(n_cols >> 5) * F::BYTES;
+        return (size_t)(n_cols / F::QK) * F::BYTES;
     }
     static __device__ __forceinline__ void stage(const u8 *w, int gi, const i8 *a,
                                                  const void *sc, int (&v)[8], float (&d)[2],
@@ -865,7 +866,7 @@ struct CoopLegacy {
         group_acts(a, gi, av);
         const float2 ds = ((const float2 *)sc)[gi];
         Group g;
-        F::decode(w + (size_t)gi * F::BYTES, 0, g);
+        decode_group<F>(w, gi, g);
         finish(g, av, ds, v, d, m);
     }
     // stage's work after the loads: a decoded group g against codes av with scales ds
@@ -984,7 +985,7 @@ __device__ __forceinline__ void coop_legacy_items(const u8 *const (&wp)[4], int 
             ds[q] = ads[gi];
 #pragma unroll
             for (int k = 0; k < 2; k++)
-                F::decode((half ? wp[2 + k] : wp[k]) + (size_t)gi * F::BYTES, 0, g[q][k]);
+                decode_group<F>(half ? wp[2 + k] : wp[k], gi, g[q][k]);
         }
 #pragma unroll
         for (int q = 0; q < QI; q++) {
@@ -1130,20 +1131,28 @@ MMVD_GQ(q4_1, FQ4_1, true)
 MMVD_GQ(q5_0, FQ5_0, false)
 MMVD_GQ(q5_1, FQ5_1, true)
 MMVD_GQ(q8_0, FQ8_0, false)
+MMVD_GQ(q8_0t, FQ8_0T, false)
 MMVD_LEGACY2(q4_0, FQ4_0, false)
 MMVD_LEGACY2(q4_1, FQ4_1, true)
 MMVD_LEGACY2(q5_0, FQ5_0, false)
 MMVD_LEGACY2(q5_1, FQ5_1, true)
 MMVD_LEGACY2(q8_0, FQ8_0, false)
+MMVD_LEGACY2(q8_0t, FQ8_0T, false)
 MMVD_LEGACY(q4_0, FQ4_0, false)
 MMVD_LEGACY(q4_1, FQ4_1, true)
 MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)
 MMVD_LEGACY(q8_0, FQ8_0, false)
+MMVD_LEGACY(q8_0t, FQ8_0T, false)
 extern "C" __global__ void __launch_bounds__(128)
     mmvd_q8_0_cp(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {
     PDL_ENTRY_INSIDE();
     mmvd_coop_kernel<CoopLegacy<FQ8_0, false, true>>(j, aq, ads, n_cols, cap);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    mmvd_q8_0t_cp(MmvJob j, const i8 *aq, const float2 *ads, int n_cols, int cap) {
+    PDL_ENTRY_INSIDE();
+    mmvd_coop_kernel<CoopLegacy<FQ8_0T, false, true>>(j, aq, ads, n_cols, cap);
 }
 
 #define MMVD_COOP(NAME, P, BOUNDS)                                                           \

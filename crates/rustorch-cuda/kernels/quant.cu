@@ -129,6 +129,31 @@ struct FQ8_0 {
     }
 };
 
+// Q8_0 as the device keeps rows whose width is a multiple of 512 (the host reorders them at
+// upload, CudaDevice::upload_matrix; the same bytes, not a dequantized copy): tiles of 16
+// blocks, 544 bytes: the 16 f16 scales, then the first 16 code bytes of each block, then
+// the last 16. So the blocks' codes are two aligned 16-byte loads, where GGUF's 34-byte
+// blocks at 2-byte alignment take nine 4-byte loads and eight funnel shifts; lanes reading
+// consecutive blocks read consecutive 16-byte pieces. Group g is block g of the tile.
+struct FQ8_0T {
+    enum { QK = 512, BYTES = 544 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b + 2 * g));
+        const int4 lo = *(const int4 *)(b + 32 + 16 * g);
+        const int4 hi = *(const int4 *)(b + 288 + 16 * g);
+        o.v[0] = lo.x; o.v[1] = lo.y; o.v[2] = lo.z; o.v[3] = lo.w;
+        o.v[4] = hi.x; o.v[5] = hi.y; o.v[6] = hi.z; o.v[7] = hi.w;
+        set_scales(o, d, 0, 0.0f);
+    }
+};
+
+// Group gi (of 32 weights) of a row of format F.
+template <class F>
+__device__ __forceinline__ void decode_group(const u8 *row, int gi, Group &o) {
+    constexpr int GPB = F::QK / 32;
+    F::decode(row + (size_t)(gi / GPB) * F::BYTES, gi % GPB, o);
+}
+
 struct FIQ4_NL {
     enum { QK = 32, BYTES = 18 };
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
@@ -960,6 +985,7 @@ MMVQ_ALL(q4_1, FQ4_1)
 MMVQ_ALL(q5_0, FQ5_0)
 MMVQ_ALL(q5_1, FQ5_1)
 MMVQ_ALL(q8_0, FQ8_0)
+MMVQ_ALL(q8_0t, FQ8_0T)
 MMVQ_ALL(q2_k, FQ2_K)
 MMVQ_ALL(q3_k, FQ3_K)
 MMVQ_ALL(q4_k, FQ4_K)
@@ -1040,6 +1066,7 @@ GET_ROWS_KERNEL(q4_1, FQ4_1)
 GET_ROWS_KERNEL(q5_0, FQ5_0)
 GET_ROWS_KERNEL(q5_1, FQ5_1)
 GET_ROWS_KERNEL(q8_0, FQ8_0)
+GET_ROWS_KERNEL(q8_0t, FQ8_0T)
 GET_ROWS_KERNEL(q2_k, FQ2_K)
 GET_ROWS_KERNEL(q3_k, FQ3_K)
 GET_ROWS_KERNEL(q4_k, FQ4_K)

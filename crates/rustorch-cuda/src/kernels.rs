@@ -202,6 +202,23 @@ pub fn kernel_names() -> Vec<String> {
             }
         }
     }
+    for nt in TOKEN_TILES {
+        v.push(format!("mmvq_{Q8_0T}_{nt}"));
+    }
+    for (kind, sfx) in [
+        ("mmvq1", ""),
+        ("mmvq1g", ""),
+        ("get_rows", ""),
+        ("mmve", ""),
+        ("mmve", "_l"),
+        ("mmvd", ""),
+        ("mmvd", "_c"),
+        ("mmvd", "_cp"),
+        ("mmvd", "_r2"),
+        ("mmvd", "_gq"),
+    ] {
+        v.push(format!("{kind}_{Q8_0T}{sfx}"));
+    }
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
         v.push(format!("attn_rope_{e}"));
@@ -209,11 +226,14 @@ pub fn kernel_names() -> Vec<String> {
     v
 }
 
-/// A weight matrix on the device in its GGUF block format: `n_rows` rows of `n_cols`.
+/// A weight matrix on the device in its GGUF block format: `n_rows` rows of `n_cols`
+/// (Q8_0 rows of a multiple of 512 reordered: see [`q8_tiled`]).
 pub struct CudaMatrix {
     pub ty: GgmlType,
     pub n_rows: usize,
     pub n_cols: usize,
+    /// Whether the rows are in Q8_0's tiled layout (kernels `*_q8_0t*`).
+    tiled: bool,
     data: GpuVec<u8>,
 }
 
@@ -222,6 +242,48 @@ impl CudaMatrix {
     pub fn bytes(&self) -> usize {
         self.data.len()
     }
+
+    /// The kernel-name stem of its format and layout.
+    fn stem(&self) -> Option<&'static str> {
+        if self.tiled {
+            Some(Q8_0T)
+        } else {
+            stem(self.ty)
+        }
+    }
+}
+
+/// The stem of the kernels reading [`q8_tiled`] matrices.
+const Q8_0T: &str = "q8_0t";
+
+/// Whether a Q8_0 matrix of rows of `n_cols` goes to the device in the tiled layout of
+/// `FQ8_0T` (kernels/quant.cu): per 16 blocks of a row (544 bytes) their 16 scales, then the
+/// first 16 code bytes of each, then the last 16, so that a block's codes are two aligned
+/// 16-byte loads instead of nine misaligned ones and eight shifts. The same bytes, moved; the
+/// same arithmetic. Rows of a multiple of 512 only (whole tiles); not with the persistent
+/// decode kernel; `RUSTORCH_CUDA_Q8T=0` keeps GGUF's layout (for comparisons).
+pub fn q8_tiled(ty: GgmlType, n_cols: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    ty == GgmlType::Q8_0
+        && n_cols.is_multiple_of(512)
+        && *ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_Q8T").unwrap_or_default() != "0")
+        && !arith().mega
+}
+
+/// GGUF's Q8_0 row bytes (`n_cols` a multiple of 512) in [`q8_tiled`]'s layout.
+pub fn q8_tile(bytes: &[u8], n_cols: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bytes.len()];
+    let row = n_cols / 32 * 34;
+    for (src, dst) in bytes.chunks_exact(row).zip(out.chunks_exact_mut(row)) {
+        for (s, d) in src.chunks_exact(544).zip(dst.chunks_exact_mut(544)) {
+            for (g, b) in s.chunks_exact(34).enumerate() {
+                d[2 * g..2 * g + 2].copy_from_slice(&b[..2]);
+                d[32 + 16 * g..48 + 16 * g].copy_from_slice(&b[2..18]);
+                d[288 + 16 * g..304 + 16 * g].copy_from_slice(&b[18..34]);
+            }
+        }
+    }
+    out
 }
 
 /// Device scratch reused from call to call: quantized activations, small index arrays and
@@ -639,6 +701,14 @@ impl CudaDevice {
                 bytes.len()
             )));
         }
+        let tiled = q8_tiled(ty, n_cols);
+        let moved;
+        let bytes = if tiled {
+            moved = q8_tile(bytes, n_cols);
+            &moved[..]
+        } else {
+            bytes
+        };
         let data = if arith().probe & 128 != 0 {
             // timing only (results wrong): every matrix of a shape seen before is a view of
             // the first one's bytes, so a step reads one layer's weights again and again
@@ -663,6 +733,7 @@ impl CudaDevice {
             ty,
             n_rows,
             n_cols,
+            tiled,
             data,
         })
     }
@@ -822,7 +893,7 @@ impl CudaDevice {
             } else {
                 0
             };
-            let (Some(kind), Some(st)) = (exact_kind(ty), stem(ty)) else {
+            let (Some(kind), Some(st)) = (exact_kind(ty), ws[i].stem()) else {
                 return Err(CudaError::Unsupported(format!("exact product of {ty}")));
             };
             // the CPU's Q4_K gemm rows (their own activation rule and float steps), Q6_K's
@@ -1077,7 +1148,7 @@ impl CudaDevice {
         out: &mut GpuVec<f32>,
     ) -> Result<()> {
         out.resize(self, n_tok * w.n_rows)?;
-        let st = stem(w.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
+        let st = w.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
         let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
         let per = if w.ty == GgmlType::F32 { 4 } else { 8 };
         if n_tok == 1 && w.n_cols.is_multiple_of(per) && arith().decode_kernels {
@@ -1114,7 +1185,7 @@ impl CudaDevice {
         if x.len() != w.n_cols || acc.len() != w.n_rows || !self.float_job_ok(w) {
             return None;
         }
-        let st = stem(w.ty)?;
+        let st = w.stem()?;
         Some(
             out.resize(self, w.n_rows)
                 .and_then(|_| self.launch_mmv1(w, st, x, out, acc.ptr())),
@@ -1164,7 +1235,7 @@ impl CudaDevice {
         norm: Option<&FoldNorm>,
     ) -> Result<()> {
         let first = ws[0];
-        let st = stem(first.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
+        let st = first.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
         let mut job = MmvJob {
             n: ws.len() as i32,
             glu,
@@ -1216,7 +1287,7 @@ impl CudaDevice {
         s: &Scratch,
     ) -> Result<()> {
         let first = ws[0];
-        let st = stem(first.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
+        let st = first.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
         let n_cols = first.n_cols;
         let tpr = threads_per_row(n_cols / 32);
         let rpb = MMV_THREADS / tpr;
@@ -1290,7 +1361,7 @@ impl CudaDevice {
         gate: &mut GpuVec<f32>,
         s: &mut Scratch,
     ) -> Option<Result<()>> {
-        if wg.ty != wu.ty || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
+        if wg.ty != wu.ty || wg.tiled != wu.tiled || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
             return None;
         }
         let n_cols = wg.n_cols;
@@ -1362,7 +1433,7 @@ impl CudaDevice {
         exact: bool,
     ) -> Result<()> {
         let (n_rows, n_cols) = (wg.n_rows, wg.n_cols);
-        let st = stem(wg.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
+        let st = wg.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
         self.quantize_acts(x, 1, n_cols, s)?;
         gate.resize(self, n_rows)?;
         s.gq.resize(self, n_rows)?;
@@ -1439,7 +1510,7 @@ impl CudaDevice {
         n: usize,
         out: &mut GpuVec<f32>,
     ) -> Result<()> {
-        let st = stem(table.ty).ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
+        let st = table.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
         out.resize(self, n * table.n_cols)?;
         if n == 0 {
             return Ok(());
@@ -2094,5 +2165,30 @@ impl CudaDevice {
                 &pool_k, &slots, &ni, &nl, &ls, &kd, &hd, &nr, &neox, &cp, &sp,
             ],
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::q8_tile;
+
+    /// Every block's scale and codes are where FQ8_0T::decode (kernels/quant.cu) reads them.
+    #[test]
+    fn q8_tile_puts_each_block_where_the_kernels_read_it() {
+        let (n_rows, n_cols) = (3, 1024);
+        let nb = n_cols / 32;
+        let src: Vec<u8> = (0..n_rows * nb * 34).map(|i| (i * 7 + i / 34) as u8).collect();
+        let t = q8_tile(&src, n_cols);
+        assert_eq!(t.len(), src.len());
+        for r in 0..n_rows {
+            for b in 0..nb {
+                let blk = &src[(r * nb + b) * 34..][..34];
+                let tile = &t[r * nb * 34 + (b / 16) * 544..][..544];
+                let g = b % 16;
+                assert_eq!(&tile[2 * g..2 * g + 2], &blk[..2], "scale, row {r} block {b}");
+                assert_eq!(&tile[32 + 16 * g..48 + 16 * g], &blk[2..18], "codes 0..16");
+                assert_eq!(&tile[288 + 16 * g..304 + 16 * g], &blk[18..], "codes 16..32");
+            }
+        }
     }
 }
