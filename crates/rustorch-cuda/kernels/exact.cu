@@ -449,6 +449,7 @@ __device__ __forceinline__ void mmve_kernel(const MmvJob &j, const i8 *__restric
     MMVE_LEGACY_G(NAME##_l, F, MIN, MMVE_G_LONG)
 
 MMVE_LEGACY(q4_0, FQ4_0, false)
+MMVE_LEGACY(q4_0t, FQ4_0T, false)
 MMVE_LEGACY(q4_1, FQ4_1, true)
 MMVE_LEGACY(q5_0, FQ5_0, false)
 MMVE_LEGACY(q5_1, FQ5_1, true)
@@ -854,7 +855,14 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
 #endif
 template <class F, bool MIN_, bool PF8 = MMVD_C_PF8>
 struct CoopLegacy {
-    enum { LANES = 8, GPB = 1, DL = 1, MIN = MIN_, PF = F::BYTES > 24 ? PF8 : MMVD_C_PF };
+    // (PF8 for the 8-bit format: more than 24 bytes per block of 32)
+    enum {
+        LANES = 8,
+        GPB = 1,
+        DL = 1,
+        MIN = MIN_,
+        PF = F::BYTES * 32 / F::QK > 24 ? PF8 : MMVD_C_PF
+    };
     typedef F Fmt;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
         return (size_t)(n_cols / F::QK) * F::BYTES;
@@ -1127,18 +1135,21 @@ __device__ __forceinline__ void mmvd_legacy_gq(const MmvJob &j, const i8 *aq, co
         mmvd_legacy_gq<F, MIN>(j, aq, ads, n_cols, oq, ods, cnt, cpu);                        \
     }
 MMVD_GQ(q4_0, FQ4_0, false)
+MMVD_GQ(q4_0t, FQ4_0T, false)
 MMVD_GQ(q4_1, FQ4_1, true)
 MMVD_GQ(q5_0, FQ5_0, false)
 MMVD_GQ(q5_1, FQ5_1, true)
 MMVD_GQ(q8_0, FQ8_0, false)
 MMVD_GQ(q8_0t, FQ8_0T, false)
 MMVD_LEGACY2(q4_0, FQ4_0, false)
+MMVD_LEGACY2(q4_0t, FQ4_0T, false)
 MMVD_LEGACY2(q4_1, FQ4_1, true)
 MMVD_LEGACY2(q5_0, FQ5_0, false)
 MMVD_LEGACY2(q5_1, FQ5_1, true)
 MMVD_LEGACY2(q8_0, FQ8_0, false)
 MMVD_LEGACY2(q8_0t, FQ8_0T, false)
 MMVD_LEGACY(q4_0, FQ4_0, false)
+MMVD_LEGACY(q4_0t, FQ4_0T, false)
 MMVD_LEGACY(q4_1, FQ4_1, true)
 MMVD_LEGACY(q5_0, FQ5_0, false)
 MMVD_LEGACY(q5_1, FQ5_1, true)

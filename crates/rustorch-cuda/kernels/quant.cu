@@ -147,6 +147,24 @@ struct FQ8_0T {
     }
 };
 
+// Q4_0 in the same tiled layout (rows of a multiple of 512): per 16 blocks, 288 bytes, the
+// 16 scales, then each block's 16 code bytes; a block's codes are one aligned 16-byte load
+// (GGUF's 18-byte blocks: five 4-byte loads and four shifts).
+struct FQ4_0T {
+    enum { QK = 512, BYTES = 288 };
+    static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
+        float d = h2f(ld_u16(b + 2 * g));
+        const int4 c = *(const int4 *)(b + 32 + 16 * g);
+        const int q[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            o.v[k] = q[k] & 0x0F0F0F0F;
+            o.v[k + 4] = (q[k] >> 4) & 0x0F0F0F0F;
+        }
+        set_scales(o, d, -8, 0.0f);
+    }
+};
+
 // Group gi (of 32 weights) of a row of format F.
 template <class F>
 __device__ __forceinline__ void decode_group(const u8 *row, int gi, Group &o) {
@@ -981,6 +999,7 @@ __device__ __forceinline__ void mmv1_job(const MmvJob &j, const float *x, int n_
     MMVQ_KERNEL(NAME, F, 8)
 
 MMVQ_ALL(q4_0, FQ4_0)
+MMVQ_ALL(q4_0t, FQ4_0T)
 MMVQ_ALL(q4_1, FQ4_1)
 MMVQ_ALL(q5_0, FQ5_0)
 MMVQ_ALL(q5_1, FQ5_1)
@@ -1062,6 +1081,7 @@ __device__ __forceinline__ void get_rows_q(const u8 *__restrict__ W, const u32 *
     }
 
 GET_ROWS_KERNEL(q4_0, FQ4_0)
+GET_ROWS_KERNEL(q4_0t, FQ4_0T)
 GET_ROWS_KERNEL(q4_1, FQ4_1)
 GET_ROWS_KERNEL(q5_0, FQ5_0)
 GET_ROWS_KERNEL(q5_1, FQ5_1)

@@ -202,22 +202,19 @@ pub fn kernel_names() -> Vec<String> {
             }
         }
     }
-    for nt in TOKEN_TILES {
-        v.push(format!("mmvq_{Q8_0T}_{nt}"));
-    }
-    for (kind, sfx) in [
-        ("mmvq1", ""),
-        ("mmvq1g", ""),
-        ("get_rows", ""),
-        ("mmve", ""),
-        ("mmve", "_l"),
-        ("mmvd", ""),
-        ("mmvd", "_c"),
-        ("mmvd", "_cp"),
-        ("mmvd", "_r2"),
-        ("mmvd", "_gq"),
-    ] {
-        v.push(format!("{kind}_{Q8_0T}{sfx}"));
+    for (ty, s) in TILED {
+        for nt in TOKEN_TILES {
+            v.push(format!("mmvq_{s}_{nt}"));
+        }
+        for k in ["mmvq1", "mmvq1g", "get_rows", "mmve", "mmvd"] {
+            v.push(format!("{k}_{s}"));
+        }
+        for k in ["mmve_{}_l", "mmvd_{}_c", "mmvd_{}_r2", "mmvd_{}_gq"] {
+            v.push(k.replace("{}", s));
+        }
+        if ty == GgmlType::Q8_0 {
+            v.push(format!("mmvd_{s}_cp"));
+        }
     }
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
@@ -227,12 +224,12 @@ pub fn kernel_names() -> Vec<String> {
 }
 
 /// A weight matrix on the device in its GGUF block format: `n_rows` rows of `n_cols`
-/// (Q8_0 rows of a multiple of 512 reordered: see [`q8_tiled`]).
+/// (Q8_0 and Q4_0 rows of a multiple of 512 reordered: see [`tiled`]).
 pub struct CudaMatrix {
     pub ty: GgmlType,
     pub n_rows: usize,
     pub n_cols: usize,
-    /// Whether the rows are in Q8_0's tiled layout (kernels `*_q8_0t*`).
+    /// Whether the rows are in the tiled layout (kernels `*_q8_0t*`, `*_q4_0t*`).
     tiled: bool,
     data: GpuVec<u8>,
 }
@@ -246,40 +243,53 @@ impl CudaMatrix {
     /// The kernel-name stem of its format and layout.
     fn stem(&self) -> Option<&'static str> {
         if self.tiled {
-            Some(Q8_0T)
+            tiled_stem(self.ty)
         } else {
             stem(self.ty)
         }
     }
 }
 
-/// The stem of the kernels reading [`q8_tiled`] matrices.
-const Q8_0T: &str = "q8_0t";
+/// The formats with a tiled layout ([`tiled`]) and the stem of the kernels reading it.
+const TILED: [(GgmlType, &str); 2] = [(GgmlType::Q8_0, "q8_0t"), (GgmlType::Q4_0, "q4_0t")];
 
-/// Whether a Q8_0 matrix of rows of `n_cols` goes to the device in the tiled layout of
-/// `FQ8_0T` (kernels/quant.cu): per 16 blocks of a row (544 bytes) their 16 scales, then the
-/// first 16 code bytes of each, then the last 16, so that a block's codes are two aligned
-/// 16-byte loads instead of nine misaligned ones and eight shifts. The same bytes, moved; the
-/// same arithmetic. Rows of a multiple of 512 only (whole tiles); not with the persistent
-/// decode kernel; `RUSTORCH_CUDA_Q8T=0` keeps GGUF's layout (for comparisons).
-pub fn q8_tiled(ty: GgmlType, n_cols: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ty == GgmlType::Q8_0
-        && n_cols.is_multiple_of(512)
-        && *ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_Q8T").unwrap_or_default() != "0")
+fn tiled_stem(ty: GgmlType) -> Option<&'static str> {
+    TILED.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
+}
+
+/// Whether a matrix of `ty` with rows of `n_cols` goes to the device tiled (`FQ8_0T` and
+/// `FQ4_0T` in kernels/quant.cu): per 16 blocks of a row their 16 f16 scales, then the
+/// blocks' code bytes in 16-byte pieces (Q8_0: every block's first piece, then every
+/// block's second), so that a block's codes are aligned 16-byte loads where GGUF's 34- and
+/// 18-byte blocks at 2-byte alignment take nine (five) 4-byte loads and eight (four) shifts.
+/// The same bytes, moved (not a dequantized copy); the same arithmetic. Q8_0 and Q4_0, rows
+/// of a multiple of 512 (whole tiles); not with the persistent decode kernel.
+/// `RUSTORCH_CUDA_TILED=0` keeps GGUF's layout, `=q8_0` or `=q4_0` tiles only that format
+/// (for comparisons).
+pub fn tiled(ty: GgmlType, n_cols: usize) -> bool {
+    static ON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let on = ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_TILED").unwrap_or_default());
+    tiled_stem(ty).is_some_and(|st| match on.as_str() {
+        "" | "1" => true,
+        "0" => false,
+        f => st.strip_suffix('t') == Some(f),
+    }) && n_cols.is_multiple_of(512)
         && !arith().mega
 }
 
-/// GGUF's Q8_0 row bytes (`n_cols` a multiple of 512) in [`q8_tiled`]'s layout.
-pub fn q8_tile(bytes: &[u8], n_cols: usize) -> Vec<u8> {
+/// GGUF row bytes of Q8_0 or Q4_0 (`block` = 34 or 18 bytes per 32 weights; `n_cols` a
+/// multiple of 512) in [`tiled`]'s layout.
+pub fn tile_rows(bytes: &[u8], n_cols: usize, block: usize) -> Vec<u8> {
     let mut out = vec![0u8; bytes.len()];
-    let row = n_cols / 32 * 34;
+    let (row, tile, pieces) = (n_cols / 32 * block, 16 * block, (block - 2) / 16);
     for (src, dst) in bytes.chunks_exact(row).zip(out.chunks_exact_mut(row)) {
-        for (s, d) in src.chunks_exact(544).zip(dst.chunks_exact_mut(544)) {
-            for (g, b) in s.chunks_exact(34).enumerate() {
+        for (s, d) in src.chunks_exact(tile).zip(dst.chunks_exact_mut(tile)) {
+            for (g, b) in s.chunks_exact(block).enumerate() {
                 d[2 * g..2 * g + 2].copy_from_slice(&b[..2]);
-                d[32 + 16 * g..48 + 16 * g].copy_from_slice(&b[2..18]);
-                d[288 + 16 * g..304 + 16 * g].copy_from_slice(&b[18..34]);
+                for p in 0..pieces {
+                    let o = 32 + 256 * p + 16 * g;
+                    d[o..o + 16].copy_from_slice(&b[2 + 16 * p..18 + 16 * p]);
+                }
             }
         }
     }
@@ -701,10 +711,10 @@ impl CudaDevice {
                 bytes.len()
             )));
         }
-        let tiled = q8_tiled(ty, n_cols);
+        let tiled = tiled(ty, n_cols);
         let moved;
         let bytes = if tiled {
-            moved = q8_tile(bytes, n_cols);
+            moved = tile_rows(bytes, n_cols, ty.type_size());
             &moved[..]
         } else {
             bytes
@@ -1148,7 +1158,9 @@ impl CudaDevice {
         out: &mut GpuVec<f32>,
     ) -> Result<()> {
         out.resize(self, n_tok * w.n_rows)?;
-        let st = w.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
+        let st = w
+            .stem()
+            .ok_or_else(|| CudaError::Unsupported(format!("{}", w.ty)))?;
         let (wp, nr, nc) = (w.data.ptr(), w.n_rows as i32, w.n_cols as i32);
         let per = if w.ty == GgmlType::F32 { 4 } else { 8 };
         if n_tok == 1 && w.n_cols.is_multiple_of(per) && arith().decode_kernels {
@@ -1235,7 +1247,9 @@ impl CudaDevice {
         norm: Option<&FoldNorm>,
     ) -> Result<()> {
         let first = ws[0];
-        let st = first.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
+        let st = first
+            .stem()
+            .ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
         let mut job = MmvJob {
             n: ws.len() as i32,
             glu,
@@ -1287,7 +1301,9 @@ impl CudaDevice {
         s: &Scratch,
     ) -> Result<()> {
         let first = ws[0];
-        let st = first.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
+        let st = first
+            .stem()
+            .ok_or_else(|| CudaError::Unsupported(format!("{}", first.ty)))?;
         let n_cols = first.n_cols;
         let tpr = threads_per_row(n_cols / 32);
         let rpb = MMV_THREADS / tpr;
@@ -1361,7 +1377,11 @@ impl CudaDevice {
         gate: &mut GpuVec<f32>,
         s: &mut Scratch,
     ) -> Option<Result<()>> {
-        if wg.ty != wu.ty || wg.tiled != wu.tiled || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
+        if wg.ty != wu.ty
+            || wg.tiled != wu.tiled
+            || wg.n_rows != wu.n_rows
+            || wg.n_cols != wu.n_cols
+        {
             return None;
         }
         let n_cols = wg.n_cols;
@@ -1433,7 +1453,9 @@ impl CudaDevice {
         exact: bool,
     ) -> Result<()> {
         let (n_rows, n_cols) = (wg.n_rows, wg.n_cols);
-        let st = wg.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
+        let st = wg
+            .stem()
+            .ok_or_else(|| CudaError::Unsupported(format!("{}", wg.ty)))?;
         self.quantize_acts(x, 1, n_cols, s)?;
         gate.resize(self, n_rows)?;
         s.gq.resize(self, n_rows)?;
@@ -1510,7 +1532,9 @@ impl CudaDevice {
         n: usize,
         out: &mut GpuVec<f32>,
     ) -> Result<()> {
-        let st = table.stem().ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
+        let st = table
+            .stem()
+            .ok_or_else(|| CudaError::Unsupported(format!("{}", table.ty)))?;
         out.resize(self, n * table.n_cols)?;
         if n == 0 {
             return Ok(());
@@ -2170,24 +2194,39 @@ impl CudaDevice {
 
 #[cfg(test)]
 mod tests {
-    use super::q8_tile;
+    use super::tile_rows;
 
-    /// Every block's scale and codes are where FQ8_0T::decode (kernels/quant.cu) reads them.
+    /// Every block's scale and codes are where FQ8_0T::decode and FQ4_0T::decode
+    /// (kernels/quant.cu) read them.
     #[test]
-    fn q8_tile_puts_each_block_where_the_kernels_read_it() {
-        let (n_rows, n_cols) = (3, 1024);
-        let nb = n_cols / 32;
-        let src: Vec<u8> = (0..n_rows * nb * 34).map(|i| (i * 7 + i / 34) as u8).collect();
-        let t = q8_tile(&src, n_cols);
-        assert_eq!(t.len(), src.len());
-        for r in 0..n_rows {
-            for b in 0..nb {
-                let blk = &src[(r * nb + b) * 34..][..34];
-                let tile = &t[r * nb * 34 + (b / 16) * 544..][..544];
-                let g = b % 16;
-                assert_eq!(&tile[2 * g..2 * g + 2], &blk[..2], "scale, row {r} block {b}");
-                assert_eq!(&tile[32 + 16 * g..48 + 16 * g], &blk[2..18], "codes 0..16");
-                assert_eq!(&tile[288 + 16 * g..304 + 16 * g], &blk[18..], "codes 16..32");
+    fn tile_rows_puts_each_block_where_the_kernels_read_it() {
+        for block in [34, 18] {
+            let (n_rows, n_cols) = (3, 1024);
+            let nb = n_cols / 32;
+            let src: Vec<u8> = (0..n_rows * nb * block)
+                .map(|i| (i * 7 + i / block) as u8)
+                .collect();
+            let t = tile_rows(&src, n_cols, block);
+            assert_eq!(t.len(), src.len());
+            for r in 0..n_rows {
+                for b in 0..nb {
+                    let blk = &src[(r * nb + b) * block..][..block];
+                    let tile = &t[(r * nb + b / 16 * 16) * block..][..16 * block];
+                    let g = b % 16;
+                    assert_eq!(
+                        &tile[2 * g..2 * g + 2],
+                        &blk[..2],
+                        "scale, row {r} block {b}"
+                    );
+                    assert_eq!(&tile[32 + 16 * g..48 + 16 * g], &blk[2..18], "codes 0..16");
+                    if block == 34 {
+                        assert_eq!(
+                            &tile[288 + 16 * g..304 + 16 * g],
+                            &blk[18..],
+                            "codes 16..32"
+                        );
+                    }
+                }
             }
         }
     }
