@@ -48,18 +48,23 @@ __device__ __forceinline__ int iq4_lookup(u32 x) {
 // Formats. QK: weights per block; BYTES: bytes per block; decode(block, g, out) reads
 // group g (0 .. QK/32) of a block.
 
+// Q4_0's 16 code bytes q: the low nibbles are weights 0..15, the high ones 16..31.
+__device__ __forceinline__ void q4_0_codes(const int (&q)[4], float d, Group &o) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        o.v[k] = q[k] & 0x0F0F0F0F;
+        o.v[k + 4] = (q[k] >> 4) & 0x0F0F0F0F;
+    }
+    set_scales(o, d, -8, 0.0f);
+}
+
 struct FQ4_0 {
     enum { QK = 32, BYTES = 18 };
     static __device__ __forceinline__ void decode(const u8 *b, int, Group &o) {
-        float d = h2f(ld_u16(b));
+        const float d = h2f(ld_u16(b));
         int q[4];
         ld_ints_a2<4>(b + 2, q);
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            o.v[k] = q[k] & 0x0F0F0F0F;
-            o.v[k + 4] = (q[k] >> 4) & 0x0F0F0F0F;
-        }
-        set_scales(o, d, -8, 0.0f);
+        q4_0_codes(q, d, o);
     }
 };
 
@@ -129,39 +134,38 @@ struct FQ8_0 {
     }
 };
 
-// Q8_0 as the device keeps rows whose width is a multiple of 512 (the host reorders them at
-// upload, CudaDevice::upload_matrix; the same bytes, not a dequantized copy): tiles of 16
-// blocks, 544 bytes: the 16 f16 scales, then the first 16 code bytes of each block, then
-// the last 16. So the blocks' codes are two aligned 16-byte loads, where GGUF's 34-byte
-// blocks at 2-byte alignment take nine 4-byte loads and eight funnel shifts; lanes reading
-// consecutive blocks read consecutive 16-byte pieces. Group g is block g of the tile.
+// Q8_0 and Q4_0 as the device keeps rows whose width is a multiple of 512 (the host reorders
+// them at upload: kernels.rs, `tiled`; the same bytes, not a dequantized copy): tiles of 16
+// blocks, the 16 f16 scales, then the blocks' code bytes in 16-byte pieces, piece p of every
+// block together (Q8_0: 544 bytes, two pieces; Q4_0: 288 bytes, one). So a block's codes
+// are aligned 16-byte loads, where GGUF's 34- and 18-byte blocks at 2-byte alignment take
+// nine (five) 4-byte loads and eight (four) funnel shifts, and lanes reading consecutive
+// blocks read consecutive pieces. Group g is block g of the tile.
+__device__ __forceinline__ void tile_piece(const u8 *b, int g, int p, int (&q)[4]) {
+    const int4 c = *(const int4 *)(b + 32 + 256 * p + 16 * g);
+    q[0] = c.x; q[1] = c.y; q[2] = c.z; q[3] = c.w;
+}
+
 struct FQ8_0T {
     enum { QK = 512, BYTES = 544 };
     static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
-        float d = h2f(ld_u16(b + 2 * g));
-        const int4 lo = *(const int4 *)(b + 32 + 16 * g);
-        const int4 hi = *(const int4 *)(b + 288 + 16 * g);
-        o.v[0] = lo.x; o.v[1] = lo.y; o.v[2] = lo.z; o.v[3] = lo.w;
-        o.v[4] = hi.x; o.v[5] = hi.y; o.v[6] = hi.z; o.v[7] = hi.w;
+        const float d = h2f(ld_u16(b + 2 * g));
+        int q[2][4];
+        tile_piece(b, g, 0, q[0]);
+        tile_piece(b, g, 1, q[1]);
+#pragma unroll
+        for (int k = 0; k < 8; k++) o.v[k] = q[k >> 2][k & 3];
         set_scales(o, d, 0, 0.0f);
     }
 };
 
-// Q4_0 in the same tiled layout (rows of a multiple of 512): per 16 blocks, 288 bytes, the
-// 16 scales, then each block's 16 code bytes; a block's codes are one aligned 16-byte load
-// (GGUF's 18-byte blocks: five 4-byte loads and four shifts).
 struct FQ4_0T {
     enum { QK = 512, BYTES = 288 };
     static __device__ __forceinline__ void decode(const u8 *b, int g, Group &o) {
-        float d = h2f(ld_u16(b + 2 * g));
-        const int4 c = *(const int4 *)(b + 32 + 16 * g);
-        const int q[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            o.v[k] = q[k] & 0x0F0F0F0F;
-            o.v[k + 4] = (q[k] >> 4) & 0x0F0F0F0F;
-        }
-        set_scales(o, d, -8, 0.0f);
+        const float d = h2f(ld_u16(b + 2 * g));
+        int q[4];
+        tile_piece(b, g, 0, q);
+        q4_0_codes(q, d, o);
     }
 };
 
