@@ -38,12 +38,17 @@ for t in ${types//,/ }; do
   models+=("$m")
 done
 
+# (a failing test is reported at the end, after the diff and the table, and makes the exit
+# code 1: gpu_matches_cpu holds the default arithmetic to the issue's bar, which the 8-bit
+# synthetic models miss, see docs/performance.md; --gpu-exact's tests are the bar's proof)
+failed=()
 if [ -n "$test_bin" ]; then
   echo "== GPU tests"
-  RUSTORCH_GPU_MODELS="$(IFS=,; echo "${models[*]}")" "$test_bin" --nocapture
+  RUSTORCH_GPU_MODELS="$(IFS=,; echo "${models[*]}")" "$test_bin" --nocapture \
+    || failed+=("GPU tests")
   echo "== the persistent decode kernel against graph replays (bit for bit)"
   RUSTORCH_CUDA_MEGA=1 RUSTORCH_GPU_MODELS="$(IFS=,; echo "${models[*]}")" \
-    "$test_bin" megakernel_equals_graphs --nocapture
+    "$test_bin" megakernel_equals_graphs --nocapture || failed+=("megakernel_equals_graphs")
 fi
 
 for m in "${models[@]}"; do
@@ -77,3 +82,7 @@ echo
 echo "| model | GPU | pp512 t/s | tg128 t/s | tg floor t/s (${bw} GB/s) | fraction of floor | tg128 --gpu-exact |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
 printf '%s\n' "${rows[@]}"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu-check: failed: ${failed[*]} (see above)" >&2
+  exit 1
+fi
