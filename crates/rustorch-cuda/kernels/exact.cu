@@ -380,7 +380,7 @@ template <class F, bool MIN, int G>
 struct MmveLegacy {
     typedef LegacySmem<MIN, G> Smem;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
-        return (size_t)((n_cols >> 5) / (F::QK / 32)) * F::BYTES;
+        return fmt_row_bytes<F>(n_cols);
     }
     template <int R>
     static __device__ __forceinline__ float rows(const u8 *w0, const u8 *w1, const i8 *aq,
@@ -779,7 +779,7 @@ __device__ __forceinline__ void mmvd_legacy2_kernel(const MmvJob &j, const i8 *a
     const int nb = n_cols >> 5;
     const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
     Rows2 w;
-    rows2_of<true, true>(j, gw, (size_t)((n_cols >> 5) / (F::QK / 32)) * F::BYTES, w);
+    rows2_of<true, true>(j, gw, fmt_row_bytes<F>(n_cols), w);
     PDL_ENTRY();
     const size_t t = blockIdx.y;
     const float v = mmvd_legacy2<F, MIN>(w.wp, aq + t * n_cols, ads + t * nb, nb,
@@ -815,7 +815,7 @@ __device__ __forceinline__ void mmvd_legacy_kernel(const MmvJob &j, const i8 *aq
     __shared__ RSmem<MIN, 4> smem[4];
     const int nb = n_cols >> 5;
     const u8 *wp[4];
-    mmvd_rows(j, (size_t)((n_cols >> 5) / (F::QK / 32)) * F::BYTES, wp, true);
+    mmvd_rows(j, fmt_row_bytes<F>(n_cols), wp, true);
     PDL_ENTRY();
     int m, wi;
     const bool has = mmvd_row_of(j, (threadIdx.x & 31) >> 3, m, wi);
@@ -865,7 +865,7 @@ struct CoopLegacy {
     };
     typedef F Fmt;
     static __device__ __forceinline__ size_t row_bytes(int n_cols) {
-        return (size_t)((n_cols >> 5) / (F::QK / 32)) * F::BYTES;
+        return fmt_row_bytes<F>(n_cols);
     }
     static __device__ __forceinline__ void stage(const u8 *w, int gi, const i8 *a,
                                                  const void *sc, int (&v)[8], float (&d)[2],

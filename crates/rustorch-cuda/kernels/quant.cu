@@ -169,11 +169,24 @@ struct FQ4_0T {
     }
 };
 
-// Group gi (of 32 weights) of a row of format F.
+// Group gi (of 32 weights) of a row of format F, and the bytes of a row of n_cols: the
+// tiled formats' block index and byte count in unsigned arithmetic, shifts instead of a
+// signed division's sequence (H200, tg128 --gpu-exact, 8 runs each: Q8_0 median 1307 against
+// 1290 t/s, Q4_0 1482 against 1469; docs/performance.md, session 30).
 template <class F>
 __device__ __forceinline__ void decode_group(const u8 *row, int gi, Group &o) {
     constexpr int GPB = F::QK / 32;
-    F::decode(row + (size_t)(gi / GPB) * F::BYTES, gi % GPB, o);
+    if constexpr (GPB > 1)
+        F::decode(row + (size_t)((u32)gi / (u32)GPB) * F::BYTES, (int)((u32)gi % (u32)GPB), o);
+    else
+        F::decode(row + (size_t)gi * F::BYTES, 0, o);
+}
+template <class F>
+__device__ __forceinline__ size_t fmt_row_bytes(int n_cols) {
+    if constexpr (F::QK > 32)
+        return (size_t)((u32)n_cols / (u32)F::QK) * F::BYTES;
+    else
+        return (size_t)(n_cols >> 5) * F::BYTES;
 }
 
 struct FIQ4_NL {
