@@ -714,18 +714,6 @@ __device__ __forceinline__ float mmvd_legacy2(const u8 *const (&wp)[2], const i8
     return MIN ? __fadd_rn(sum, summs) : sum;
 }
 
-// (Prepared, not yet run on a GPU: `RUSTORCH_CUDA_DEFS=PF_PACE=ns`. Before its L2 prefetch, the
-// warp w of a grid sleeps (w % 16) * PF_PACE ns, so that a product's requests reach L2 over
-// about 16 * PF_PACE ns instead of all at once; the loads of the kernel before it, queued
-// behind them, may then wait less (docs/performance.md, session 29). Off by default.)
-__device__ __forceinline__ void pf_pace(bool pf) {
-#if defined(PF_PACE) && defined(RT_PDL_PREFETCH) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-    if (pf) __nanosleep((u32)(((blockIdx.x << 2) + (threadIdx.x >> 5)) & 15) * (u32)(PF_PACE));
-#else
-    (void)pf;
-#endif
-}
-
 // The two rows of warp gw of a two-rows-per-warp product: with GLU and j.glu the gate and up
 // rows of output gw, else rows 2 gw and 2 gw + 1; their matrices, rows, presence and weights
 // (row 0 of the first matrix, read and not stored, past the end), and with PF (and
@@ -737,7 +725,6 @@ struct Rows2 {
 };
 template <bool GLU, bool PF>
 __device__ __forceinline__ void rows2_of(const MmvJob &j, int gw, size_t rb, Rows2 &w) {
-    pf_pace(PF);
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         if (GLU && j.glu) {
@@ -795,7 +782,6 @@ __device__ __forceinline__ void mmvd_legacy2_kernel(const MmvJob &j, const i8 *a
 // Q4_K_M's Q4_K / Q6_K products gain 1-2%; docs/performance.md, session 16.)
 __device__ __forceinline__ void mmvd_rows(const MmvJob &j, size_t row_bytes, const u8 *(&wp)[4],
                                           bool pf, int gw = -1, int part = 0, int parts = 1) {
-    pf_pace(pf);
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         int m, wi;

@@ -153,7 +153,6 @@ pub fn kernel_names() -> Vec<String> {
         "mmvd_q4k6k_w",
         "mmvd_q4k6k_w2",
         "mmvd_q6_k_p2",
-        "mmvd_q8_0_cp",
         "rms_norm",
         "rope_angles",
         "rope",
@@ -174,53 +173,46 @@ pub fn kernel_names() -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    for (ty, s) in FORMATS {
-        let kind = if is_float(ty) { "mmv" } else { "mmvq" };
-        for nt in TOKEN_TILES {
-            v.push(format!("{kind}_{s}_{nt}"));
-        }
-        v.push(format!("{kind}1_{s}"));
-        if is_float(ty) {
-            v.push(format!("mmv1j_{s}"));
-        } else {
-            v.push(format!("mmvq1g_{s}"));
-        }
-        v.push(format!("get_rows_{s}"));
-    }
-    for (ty, s) in FORMATS {
-        if exact_kind(ty).is_some() {
-            v.push(format!("mmve_{s}"));
-            v.push(format!("mmve_{s}_l"));
-            v.push(format!("mmvd_{s}_c"));
-            if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
-                v.push(format!("mmvd_{s}_w"));
-                v.push(format!("mmvd_{s}_w2"));
-            } else {
-                v.push(format!("mmvd_{s}"));
-                v.push(format!("mmvd_{s}_r2"));
-                v.push(format!("mmvd_{s}_gq"));
-            }
-        }
-    }
-    for (ty, s) in TILED {
-        for nt in TOKEN_TILES {
-            v.push(format!("mmvq_{s}_{nt}"));
-        }
-        for k in ["mmvq1", "mmvq1g", "get_rows", "mmve", "mmvd"] {
-            v.push(format!("{k}_{s}"));
-        }
-        for k in ["mmve_{}_l", "mmvd_{}_c", "mmvd_{}_r2", "mmvd_{}_gq"] {
-            v.push(k.replace("{}", s));
-        }
-        if ty == GgmlType::Q8_0 {
-            v.push(format!("mmvd_{s}_cp"));
-        }
+    for (ty, s) in FORMATS.iter().chain(TILED.iter()) {
+        format_kernel_names(*ty, s, &mut v);
     }
     for e in ATTN_E {
         v.push(format!("attn_split_{e}"));
         v.push(format!("attn_rope_{e}"));
     }
     v
+}
+
+/// The kernels of weights of type `ty` whose kernel-name stem is `s` (a format of
+/// [`FORMATS`], or a tiled layout of [`TILED`]).
+fn format_kernel_names(ty: GgmlType, s: &str, v: &mut Vec<String>) {
+    let kind = if is_float(ty) { "mmv" } else { "mmvq" };
+    for nt in TOKEN_TILES {
+        v.push(format!("{kind}_{s}_{nt}"));
+    }
+    v.push(format!("{kind}1_{s}"));
+    if is_float(ty) {
+        v.push(format!("mmv1j_{s}"));
+    } else {
+        v.push(format!("mmvq1g_{s}"));
+    }
+    v.push(format!("get_rows_{s}"));
+    if exact_kind(ty).is_some() {
+        v.push(format!("mmve_{s}"));
+        v.push(format!("mmve_{s}_l"));
+        v.push(format!("mmvd_{s}_c"));
+        if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+            v.push(format!("mmvd_{s}_w"));
+            v.push(format!("mmvd_{s}_w2"));
+        } else {
+            v.push(format!("mmvd_{s}"));
+            v.push(format!("mmvd_{s}_r2"));
+            v.push(format!("mmvd_{s}_gq"));
+        }
+        if ty == GgmlType::Q8_0 {
+            v.push(format!("mmvd_{s}_cp"));
+        }
+    }
 }
 
 /// A weight matrix on the device in its GGUF block format: `n_rows` rows of `n_cols`
@@ -266,7 +258,7 @@ fn tiled_stem(ty: GgmlType) -> Option<&'static str> {
 /// of a multiple of 512 (whole tiles); not with the persistent decode kernel.
 /// `RUSTORCH_CUDA_TILED=0` keeps GGUF's layout, `=q8_0` or `=q4_0` tiles only that format
 /// (for comparisons).
-pub fn tiled(ty: GgmlType, n_cols: usize) -> bool {
+fn tiled(ty: GgmlType, n_cols: usize) -> bool {
     static ON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let on = ON.get_or_init(|| std::env::var("RUSTORCH_CUDA_TILED").unwrap_or_default());
     tiled_stem(ty).is_some_and(|st| match on.as_str() {
@@ -279,7 +271,7 @@ pub fn tiled(ty: GgmlType, n_cols: usize) -> bool {
 
 /// GGUF row bytes of Q8_0 or Q4_0 (`block` = 34 or 18 bytes per 32 weights; `n_cols` a
 /// multiple of 512) in [`tiled`]'s layout.
-pub fn tile_rows(bytes: &[u8], n_cols: usize, block: usize) -> Vec<u8> {
+fn tile_rows(bytes: &[u8], n_cols: usize, block: usize) -> Vec<u8> {
     let mut out = vec![0u8; bytes.len()];
     let (row, tile, pieces) = (n_cols / 32 * block, 16 * block, (block - 2) / 16);
     for (src, dst) in bytes.chunks_exact(row).zip(out.chunks_exact_mut(row)) {
@@ -1377,11 +1369,7 @@ impl CudaDevice {
         gate: &mut GpuVec<f32>,
         s: &mut Scratch,
     ) -> Option<Result<()>> {
-        if wg.ty != wu.ty
-            || wg.tiled != wu.tiled
-            || wg.n_rows != wu.n_rows
-            || wg.n_cols != wu.n_cols
-        {
+        if wg.ty != wu.ty || wg.n_rows != wu.n_rows || wg.n_cols != wu.n_cols {
             return None;
         }
         let n_cols = wg.n_cols;
