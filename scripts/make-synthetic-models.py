@@ -247,7 +247,8 @@ class Model:
             w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
         for name, data, qtype in self.tensors:
             w.add_tensor(name, data, raw_dtype=qtype)
-        tmp = path + ".tmp"
+        # one temporary file per process, so two builders of the same model never share one
+        tmp = f"{path}.{os.getpid()}.tmp"
         w.write_header_to_file(path=tmp)
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

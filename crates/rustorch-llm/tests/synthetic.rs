@@ -10,7 +10,7 @@ mod common;
 use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rustorch_core::gguf::GgufFile;
 use rustorch_llm::kv_cache::{parse_kv_type, KvTypes};
@@ -36,6 +36,10 @@ fn sha256(path: &PathBuf) -> String {
 /// Rebuilds `models/synthetic/synthetic-<arch>.gguf` unless it is already the recorded
 /// file; `None` (test skipped, with a line saying why) when Python cannot build it.
 fn model(arch: &str, doc: &Value) -> Option<Model> {
+    // tests run on several threads and two of them (e.g. `synthetic_qwen3` and
+    // `synthetic_one_thread`) may want the same file: one checks or builds at a time
+    static BUILD: Mutex<()> = Mutex::new(());
+    let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     let dir = root().join("models/synthetic");
     let path = dir.join(format!("synthetic-{arch}.gguf"));
     let want = doc["sha256"].as_str().expect("sha256");
